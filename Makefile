@@ -1,0 +1,35 @@
+# trl-roundalign: `make demo` runs the main job, `make test` runs the suite. Both set up .venv first.
+SHELL := /bin/bash
+PY := .venv/bin/python
+export VLLM_CPU_KVCACHE_SPACE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+export HF_HUB_OFFLINE ?= 1
+export HF_DATASETS_OFFLINE ?= 1
+
+.PHONY: setup test test-fast demo bench lint results clean
+
+setup:
+	@bash scripts/setup.sh
+
+test: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+demo: setup
+	$(PY) recipes/cpu/demo.py
+
+bench: setup
+	$(PY) bench/bench_ops.py
+	$(PY) bench/bench_model.py
+	$(PY) bench/bench_step.py
+
+results: setup
+	$(PY) scripts/mismatch_table.py
+
+lint: setup
+	$(PY) -m ruff check trl_roundalign tests bench recipes scripts
+
+clean:
+	rm -rf .cache outputs .pytest_cache

