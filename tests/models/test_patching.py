@@ -1,0 +1,212 @@
+"""apply_roundalign / revert_roundalign on real (tiny) Hugging Face models: coverage, reversibility, training."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from trl_roundalign import apply_roundalign, get_patch_report, revert_roundalign
+from trl_roundalign.local_models import tiny_model
+from trl_roundalign.models import ARCH_SPECS, default_reduction_lanes, norm_order
+from trl_roundalign.profiles import ALL_REGIONS, PAPER_REGIONS
+
+ARCHS = ("qwen2", "qwen3", "llama")
+
+
+def load(arch: str, **overrides) -> torch.nn.Module:
+    path = tiny_model(arch, **overrides)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa")
+
+
+def batch(vocab: int = 500, b: int = 2, t: int = 19, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (b, t), generator=g)
+    mask = torch.ones(b, t, dtype=torch.long)
+    if b > 1:
+        mask[1, :4] = 0  # a left-padded row, as TRL pads prompts
+    return ids, mask
+
+
+def logits(model, ids, mask=None):
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_coverage_every_target_module_is_patched(arch):
+    model = load(arch)
+    report = apply_roundalign(model, PAPER_REGIONS)
+    n = model.config.num_hidden_layers
+    expected = set()
+    for name, module in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf == "self_attn":
+            expected.add((name, "rope"))
+        if leaf in ("q_norm", "k_norm"):
+            expected.add((name, "rope"))
+        if leaf == "mlp":
+            expected.add((name, "swiglu"))
+        if leaf in ("input_layernorm", "post_attention_layernorm") or name == "model.norm":
+            expected.add((name, "rmsnorm"))
+    assert set(report.entries) == expected
+    assert len(report.modules("rmsnorm")) == 2 * n + 1
+    if ARCH_SPECS[arch].qk_norm:
+        assert len([p for p in report.modules("rope") if p.endswith(("q_norm", "k_norm"))]) == 2 * n
+    # Every module whose computation changed carries an instance forward.
+    for name, module in model.named_modules():
+        if name.endswith(("self_attn", "mlp")) or name.rsplit(".", 1)[-1].isdigit() and ".layers." in f".{name}":
+            assert "forward" in module.__dict__, name
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_regions_change_the_forward_and_revert_restores_it_bitwise(arch):
+    model = load(arch)
+    ids, mask = batch()
+    before = logits(model, ids)
+    params_before = {k: v.clone() for k, v in model.named_parameters()}
+    names_before = [k for k, _ in model.named_parameters()]
+    apply_roundalign(model, PAPER_REGIONS, positions_from_mask=False)
+    aligned = logits(model, ids)
+    assert not torch.equal(aligned, before), "the aligned forward must differ from stock (else the test cannot fail)"
+    assert [k for k, _ in model.named_parameters()] == names_before
+    assert all(torch.equal(v, params_before[k]) for k, v in model.named_parameters())
+    assert revert_roundalign(model)
+    assert torch.equal(logits(model, ids), before)
+    assert get_patch_report(model) is None
+    assert not revert_roundalign(model)
+
+
+def test_apply_twice_is_idempotent_and_new_settings_replace():
+    model = load("qwen3")
+    r1 = apply_roundalign(model, PAPER_REGIONS)
+    r2 = apply_roundalign(model, PAPER_REGIONS)
+    assert r1 is r2
+    ids, _ = batch()
+    once = logits(model, ids)
+    r3 = apply_roundalign(model, ("rope",))
+    assert r3.regions == ("rope",) and r3 is not r1
+    assert not torch.equal(logits(model, ids), once)
+    apply_roundalign(model, PAPER_REGIONS)
+    assert torch.equal(logits(model, ids), once)
+
+
+def test_empty_regions_leave_the_model_untouched():
+    model = load("llama")
+    ids, mask = batch()
+    before = logits(model, ids, mask)
+    report = apply_roundalign(model, ())
+    assert report.entries == [] and not report.positions_from_mask
+    assert torch.equal(logits(model, ids, mask), before)
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_positions_from_mask_numbers_real_tokens_from_zero():
+    """With a left-padded batch and no position_ids, RoPE positions start at each row's first real token (vLLM's)."""
+    model = load("qwen3")
+    ids, mask = batch()
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        stock_with_positions = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+    stock = logits(model, ids, mask)
+    assert not torch.equal(stock[1, 4:], stock_with_positions[1, 4:])
+    apply_roundalign(model, (), positions_from_mask=True)
+    assert torch.equal(logits(model, ids, mask), stock_with_positions)
+    revert_roundalign(model)
+    assert torch.equal(logits(model, ids, mask), stock)
+
+
+def test_eval_train_and_generate_with_cache():
+    model = load("qwen3")
+    apply_roundalign(model, PAPER_REGIONS)
+    ids, _ = batch(b=1, t=6)
+    model.train()
+    out_train = logits(model, ids)
+    model.eval()
+    assert torch.equal(out_train, logits(model, ids))
+    gen = model.generate(ids, max_new_tokens=5, do_sample=False, use_cache=True)
+    assert gen.shape == (1, 11)
+    gen_nocache = model.generate(ids, max_new_tokens=5, do_sample=False, use_cache=False)
+    assert torch.equal(gen, gen_nocache)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_gradient_checkpointing_gives_the_same_gradients(arch):
+    ids, mask = batch()
+
+    def grads(checkpointing: bool):
+        model = load(arch)
+        apply_roundalign(model, PAPER_REGIONS, backend="torch")
+        model.train()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        out = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        out.float().logsumexp(-1).sum().backward()
+        return {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+    plain, ckpt = grads(False), grads(True)
+    assert plain.keys() == ckpt.keys() and len(plain) > 0
+    for k in plain:
+        assert torch.equal(plain[k], ckpt[k]), k
+
+
+def test_peft_lora_model_is_patched_and_trainable():
+    peft = pytest.importorskip("peft")
+    model = load("qwen3")
+    lora = peft.get_peft_model(
+        model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj"], lora_dropout=0.0)
+    )
+    report = apply_roundalign(lora, PAPER_REGIONS)
+    assert len(report.modules("swiglu")) == model.config.num_hidden_layers
+    ids, mask = batch()
+    lora.train()
+    out = lora(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    out.float().logsumexp(-1).sum().backward()
+    lora_grads = [p.grad for n, p in lora.named_parameters() if "lora_" in n]
+    assert lora_grads and all(g is not None and torch.isfinite(g).all() for g in lora_grads)
+    assert any(g.abs().sum() > 0 for g in lora_grads)
+    assert not any(p.grad is not None for n, p in lora.named_parameters() if "lora_" not in n)
+
+
+def test_fp32_model_is_refused_with_how_to_load_bf16():
+    model = AutoModelForCausalLM.from_pretrained(tiny_model("llama"), dtype=torch.float32)
+    with pytest.raises(ValueError, match="bfloat16"):
+        apply_roundalign(model)
+
+
+def test_bad_regions_profiles_and_models():
+    model = load("llama")
+    with pytest.raises(ValueError, match="known regions"):
+        apply_roundalign(model, ("rope", "gelu"))
+    with pytest.raises(ValueError, match="not the string"):
+        apply_roundalign(model, "rope")
+    with pytest.raises(ValueError, match="known profiles"):
+        apply_roundalign(model, ("rope",), profile="vllm-fast")
+    with pytest.raises(ValueError, match="three paper regions"):
+        apply_roundalign(model, ("attention",), profile="vllm-compiled-exact")
+    with pytest.raises(ValueError, match="vllm-compiled-exact"):
+        apply_roundalign(model, ALL_REGIONS, profile="vllm-compiled")
+    with pytest.raises(ValueError, match="reduction_lanes has 3 entries"):
+        apply_roundalign(model, PAPER_REGIONS, profile="vllm-compiled-exact", reduction_lanes=[32, 32, 32])
+    gpt2_like = torch.nn.Module()
+    gpt2_like.config = type("C", (), {"model_type": "gpt2"})()
+    gpt2_like.model = torch.nn.Module()
+    gpt2_like.model.layers, gpt2_like.model.norm = torch.nn.ModuleList(), torch.nn.Identity()
+    gpt2_like.model.config = gpt2_like.config
+    with pytest.raises(ValueError, match="Unsupported model_type 'gpt2'.*qwen3"):
+        apply_roundalign(gpt2_like)
+    broken = load("llama")
+    del broken.model.layers[0].mlp.gate_proj
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp .*gate_proj"):
+        apply_roundalign(broken)
+
+
+def test_default_reduction_lanes_follow_the_engines_reading():
+    assert norm_order(2, True)[:4] == [
+        "layers.0.input_layernorm",
+        "layers.0.self_attn.q_norm",
+        "layers.0.self_attn.k_norm",
+        "layers.0.post_attention_layernorm",
+    ]
+    assert default_reduction_lanes(2, False) == [32, 32, 32, 16, 32]
+    assert default_reduction_lanes(2, True) == [32, 32, 32, 32, 32, 32, 32, 16, 32]

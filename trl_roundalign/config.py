@@ -1,0 +1,121 @@
+"""`RoundAlignGRPOConfig`: TRL's `GRPOConfig` plus the rounding-alignment options.
+
+Every field has `metadata={"help": ...}`, so it works from YAML (`TrlParser`) and `--help`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from trl import GRPOConfig
+
+from .profiles import PAPER_REGIONS, PROFILES, validate_regions
+
+__all__ = ["RoundAlignGRPOConfig"]
+
+
+@dataclass
+class RoundAlignGRPOConfig(GRPOConfig):
+    """GRPO configuration with rounding alignment.
+
+    Differences from `trl.GRPOConfig`:
+
+    - `vllm_importance_sampling_correction` defaults to **False**: the paper's condition is plain
+      PPO-clipped GRPO with no mismatch correction (alignment removes the mismatch instead). Set it
+      to True to combine both.
+    - The policy loads in bf16 unless `model_init_kwargs["dtype"]` says otherwise (TRL loads fp32
+      by default while vLLM serves bf16, which would measure the dtype gap, not rounding).
+
+    The new fields are listed below; each also has a `--help` line.
+    """
+
+    roundalign_regions: list[str] = field(
+        default_factory=lambda: list(PAPER_REGIONS),
+        metadata={
+            "help": "Regions computed the engine's way: any of 'rope', 'swiglu', 'rmsnorm' (the paper's three; "
+            "[] or ['none'] is the paper's default-BF16 condition, ['rope'] RoPE-only) plus 'attention' for the "
+            "exact mode (with all three, profile 'vllm-compiled-exact' or 'auto')."
+        },
+    )
+    roundalign_profile: str = field(
+        default="auto",
+        metadata={
+            "help": "Rounding profile: 'auto' (derived from the vLLM engine the trainer builds: version, compile "
+            f"mode, custom ops, enforce_eager, platform) or one of {', '.join(PROFILES)}."
+        },
+    )
+    roundalign_backend: str | None = field(
+        default=None,
+        metadata={
+            "help": "Kernel backend: 'triton', 'torch' (exact PyTorch reference) or None (Triton on CUDA, "
+            "the reference elsewhere)."
+        },
+    )
+    roundalign_positions_from_mask: bool = field(
+        default=True,
+        metadata={
+            "help": "Derive RoPE positions from the attention mask as vLLM numbers tokens (TRL left-pads prompts and "
+            "passes no positions). Applies to every condition, including [] (so conditions differ only in rounding)."
+        },
+    )
+    roundalign_fp32_master_weights: bool = field(
+        default=True,
+        metadata={
+            "help": "With bf16/fp16 parameters and no DeepSpeed/FSDP mixed precision, keep fp32 master weights in "
+            "the optimizer (the forward stays on the bf16 copies, so it stays aligned). False refuses to train in "
+            "that setting, since updates at lr 1e-6 round away in bf16."
+        },
+    )
+    log_mismatch: bool = field(
+        default=True,
+        metadata={"help": "Attach MismatchCallback: log the train/inference log-prob mismatch every optimizer step."},
+    )
+    mismatch_log_file: str | None = field(
+        default=None,
+        metadata={"help": "JSONL file for the per-step mismatch rows (default: <output_dir>/mismatch.jsonl)."},
+    )
+    vllm_engine_kwargs: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={
+            "help": "Extra keyword arguments for the colocated vllm.LLM that TRL does not expose, as a dict or JSON: "
+            "e.g. {\"enforce_eager\": true}, {\"compilation_config\": {...}}, {\"dtype\": \"float16\"}, "
+            "{\"hf_overrides\": {...}}."
+        },
+    )
+    vllm_importance_sampling_correction: bool = field(
+        default=False,
+        metadata={
+            "help": "Importance-sampling correction of the vLLM/trainer mismatch (TRL's option). Off here: the paper's "
+            "condition is plain PPO-clipped GRPO; alignment removes the mismatch instead."
+        },
+    )
+
+    def __post_init__(self):
+        if isinstance(self.roundalign_regions, str):
+            self.roundalign_regions = [r for r in self.roundalign_regions.replace(",", " ").split() if r]
+        regions = [r for r in (self.roundalign_regions or []) if r.lower() != "none"]
+        self.roundalign_regions = list(validate_regions(regions))
+        if self.roundalign_profile != "auto" and self.roundalign_profile not in PROFILES:
+            raise ValueError(
+                f"roundalign_profile={self.roundalign_profile!r} is unknown; use 'auto' or one of {', '.join(PROFILES)}."
+            )
+        if self.roundalign_backend in ("none", "None", ""):
+            self.roundalign_backend = None
+        if self.roundalign_backend not in (None, "triton", "torch"):
+            raise ValueError(f"roundalign_backend={self.roundalign_backend!r}: use 'triton', 'torch' or None.")
+        if isinstance(self.vllm_engine_kwargs, str):
+            try:
+                self.vllm_engine_kwargs = json.loads(self.vllm_engine_kwargs)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"vllm_engine_kwargs is not valid JSON: {exc}") from None
+        if self.vllm_engine_kwargs is not None and not isinstance(self.vllm_engine_kwargs, dict):
+            raise ValueError("vllm_engine_kwargs must be a dict (or a JSON object string).")
+        if isinstance(self.model_init_kwargs, str):
+            self.model_init_kwargs = json.loads(self.model_init_kwargs)
+        self.model_init_kwargs = dict(self.model_init_kwargs or {})
+        if "torch_dtype" in self.model_init_kwargs and "dtype" not in self.model_init_kwargs:
+            self.model_init_kwargs["dtype"] = self.model_init_kwargs.pop("torch_dtype")
+        self.model_init_kwargs.setdefault("dtype", "bfloat16")
+        super().__post_init__()
