@@ -39,7 +39,7 @@ def test_coverage_every_target_module_is_patched(arch):
     report = apply_roundalign(model, PAPER_REGIONS)
     n = model.config.num_hidden_layers
     expected = set()
-    for name, module in model.named_modules():
+    for name, _module in model.named_modules():
         leaf = name.rsplit(".", 1)[-1]
         if leaf == "self_attn":
             expected.add((name, "rope"))

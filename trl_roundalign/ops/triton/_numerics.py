@@ -15,8 +15,9 @@ store (ROUNDING.md, "Triton notes"). What differs between a GPU and the CPU inte
   on NVIDIA GPUs. Kernels are launched with `enable_fp_fusion=False` so that `a * b + c` is never
   contracted into an FMA that the reference (one eager op per kernel) does not perform.
 
-The GPU paths follow the PyTorch reference running on CUDA as read from its source; they are not
-verified bit for bit in this repository's CPU test run (see `scripts/` for the GPU check).
+The GPU paths follow the PyTorch reference running on CUDA as read from its source. The CPU test
+run compiles them to PTX for sm_90 and checks these properties in the generated code; it cannot
+check their numerics bit for bit, which needs a GPU.
 """
 
 from __future__ import annotations
@@ -32,12 +33,16 @@ __all__ = [
     "INTERPRET",
     "check_launchable",
     "fp32_scalar",
+    "grid_programs",
     "launch_options",
+    "load_fp32",
     "lane_sum_of_squares",
     "norm_rstd",
     "rne_bf16",
+    "round_tensor",
     "round_to",
     "row_block",
+    "to_fp32",
 ]
 
 # `triton.jit` reads TRITON_INTERPRET when a kernel is decorated, i.e. when the op modules are first
@@ -70,6 +75,13 @@ def launch_options(tile: int) -> dict:
     """Launch keywords: warps by tile size, and no FMA contraction (the reference never fuses)."""
     num_warps = 4 if tile <= 2048 else 8 if tile <= 8192 else 16
     return {"num_warps": num_warps, "enable_fp_fusion": False}
+
+
+def grid_programs(n_blocks: int, t: torch.Tensor) -> int:
+    """Programs of a persistent backward kernel (each loops over row blocks and keeps one `dw` partial sum)."""
+    if t.is_cuda and not INTERPRET:
+        return max(1, min(n_blocks, 4 * torch.cuda.get_device_properties(t.device).multi_processor_count))
+    return max(1, min(n_blocks, 4))
 
 
 def row_block(width: int, lanes: int | None = None) -> tuple[int, int]:
@@ -105,6 +117,26 @@ def round_to(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def to_fp32(x, INTERPRET: tl.constexpr):
+    """`f(x)`: the exact upcast to fp32.
+
+    The interpreter's bf16 -> fp32 cast is wrong for bf16 subnormals (it returns other values for all
+    254 of them), so there the bf16 bits are shifted into the top half of an fp32 word instead.
+    """
+    if INTERPRET and x.dtype == tl.bfloat16:
+        out = (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        out = x.to(tl.float32)
+    return out
+
+
+@triton.jit
+def load_fp32(ptrs, mask, INTERPRET: tl.constexpr):
+    """Masked load (0 where masked) upcast exactly to fp32."""
+    return to_fp32(tl.load(ptrs, mask=mask, other=0.0), INTERPRET)
+
+
+@triton.jit
 def norm_rstd(sum_sq, n, inv_n, eps, INTERPRET: tl.constexpr):
     """`rsqrt(sum_sq / n + eps)` exactly as the reference computes it on the device (module docstring)."""
     eps32 = tl.cast(eps, tl.float32)
@@ -120,12 +152,12 @@ def norm_rstd(sum_sq, n, inv_n, eps, INTERPRET: tl.constexpr):
 def _square_chunk(A, B, rows, row_mask, stride_a, stride_b, cols, n, MODE: tl.constexpr, INTERPRET: tl.constexpr):
     """Squares of one `[rows, lanes]` chunk of the normalised value: `a`, `f(b) + f(a)`, or `f(r(f(b) + f(a)))`."""
     mask = row_mask[:, None] & (cols < n)[None, :]
-    v = tl.load(A + rows[:, None] * stride_a + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    v = load_fp32(A + rows[:, None] * stride_a + cols[None, :], mask, INTERPRET)
     if MODE != 0:
-        r = tl.load(B + rows[:, None] * stride_b + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        r = load_fp32(B + rows[:, None] * stride_b + cols[None, :], mask, INTERPRET)
         v = r + v
         if MODE == 2:
-            v = round_to(v, A.dtype.element_ty, INTERPRET).to(tl.float32)
+            v = to_fp32(round_to(v, A.dtype.element_ty, INTERPRET), INTERPRET)
     return v * v
 
 
@@ -158,3 +190,26 @@ def lane_sum_of_squares(
     for level in tl.static_range(LOG2_LANES):
         acc = tl.sum(tl.reshape(acc, [BLOCK_ROWS, 2, LANES >> (level + 1)]), axis=1)
     return 0.0 + tl.reshape(acc, [BLOCK_ROWS])
+
+
+@triton.jit
+def _round_kernel(X, Y, n, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(X + offs, mask=mask, other=0.0)
+    tl.store(Y + offs, round_to(x, Y.dtype.element_ty, INTERPRET), mask=mask)
+
+
+def round_tensor(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`r(x)` of an fp32 tensor with the kernels' own store rounding (`round_to`), for tests and checks."""
+    if x.dtype != torch.float32:
+        raise TypeError(f"round_tensor takes an fp32 tensor, got {x.dtype}.")
+    check_launchable(x)
+    src = x.contiguous()
+    out = torch.empty(src.shape, dtype=dtype, device=src.device)
+    block = 1 << 16 if INTERPRET else 1024
+    if src.numel():
+        _round_kernel[(triton.cdiv(src.numel(), block),)](
+            src, out, src.numel(), BLOCK=block, INTERPRET=INTERPRET, **launch_options(block)
+        )
+    return out
