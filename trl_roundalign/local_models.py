@@ -24,6 +24,7 @@ __all__ = [
     "VLLM_CPU_HEAD_DIMS",
     "build_tiny_model",
     "cache_root",
+    "peaked_qwen3",
     "smollm2_135m",
     "tiny_model",
 ]
@@ -119,7 +120,9 @@ def _validate_head_dim(arch: str, head_dim: int) -> None:
         )
 
 
-def build_tiny_model(arch: str, output_dir: str | os.PathLike, *, seed: int = 0, **overrides) -> Path:
+def build_tiny_model(
+    arch: str, output_dir: str | os.PathLike, *, seed: int = 0, qk_norm_gain: float | None = None, **overrides
+) -> Path:
     """Build a small random bf16 model from a config and save it with a locally trained tokenizer.
 
     Args:
@@ -130,6 +133,8 @@ def build_tiny_model(arch: str, output_dir: str | os.PathLike, *, seed: int = 0,
             intermediate_size=200, num_hidden_layers=3, initializer_range=0.2` (a "peaked" model:
             random models with the default init are near-uniform and hide the mismatch signal).
             Qwen2 derives its head dim from `hidden_size / num_attention_heads`.
+        qk_norm_gain: Qwen3 only: set every q_norm/k_norm weight to this value (trained Qwen3 models
+            have q/k-norm gains well above 1, which sharpens attention; random init leaves them at 1).
 
     Returns:
         The checkpoint folder.
@@ -173,6 +178,13 @@ def build_tiny_model(arch: str, output_dir: str | os.PathLike, *, seed: int = 0,
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model = model.to(torch.bfloat16)
+    if qk_norm_gain is not None:
+        if arch != "qwen3":
+            raise ValueError("qk_norm_gain applies to qwen3 (the only tiny arch with q/k-norms).")
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.fill_(qk_norm_gain)
+                layer.self_attn.k_norm.weight.fill_(qk_norm_gain)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.bos_token_id = None
@@ -195,6 +207,26 @@ def tiny_model(arch: str, *, seed: int = 0, **overrides) -> Path:
             build_tiny_model(arch, tmp, seed=seed, **overrides)
             os.replace(tmp, target)
     return target
+
+
+PEAKED_QWEN3 = {
+    "initializer_range": 0.2,
+    "num_hidden_layers": 4,
+    "head_dim": 64,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "qk_norm_gain": 2.0,
+}
+
+
+def peaked_qwen3(seed: int = 0) -> Path:
+    """A small random Qwen3 whose distributions are peaked, so the rounding mismatch is visible.
+
+    Random tiny models are near-uniform (log-probs near -ln V) and hide the signal. This one has a
+    larger init std (0.2), 4 layers, head dim 64 and q/k-norm gains of 2 (sharper attention, as in
+    trained Qwen3 models); its sampled tokens average about -2.7 nats.
+    """
+    return tiny_model("qwen3", seed=seed, **PEAKED_QWEN3)
 
 
 @contextlib.contextmanager
@@ -279,3 +311,35 @@ def smollm2_135m(cache_dir: str | os.PathLike | None = None) -> Path:
             shutil.rmtree(target)
         os.replace(tmp, target)
     return target
+
+
+OFFLINE_MODEL_NAMES = ("smollm2-135m", "tiny-qwen2", "tiny-qwen3", "tiny-llama", "peaked-qwen3")
+
+
+def resolve_model(name: str | os.PathLike) -> str:
+    """Map an offline model name to its checkpoint folder; pass other names and paths through.
+
+    `smollm2-135m`, `tiny-qwen2`, `tiny-qwen3`, `tiny-llama` and `peaked-qwen3` are built offline
+    (cached); an existing folder is returned as is; anything else is treated as a hub id (which
+    needs a reachable hub) unless it looks like a local path.
+
+    Raises:
+        FileNotFoundError: a path-like name (`./x`, `/x`, `~/x`) that does not exist.
+    """
+    s = str(name)
+    if s == "smollm2-135m":
+        return str(smollm2_135m())
+    if s == "peaked-qwen3":
+        return str(peaked_qwen3())
+    if s.startswith("tiny-") and s[5:] in SUPPORTED_TINY_ARCHS:
+        return str(tiny_model(s[5:]))
+    p = Path(s).expanduser()
+    if p.is_dir():
+        if not (p / "config.json").exists():
+            raise FileNotFoundError(f"{p} has no config.json: not a Hugging Face checkpoint folder.")
+        return str(p)
+    if s.startswith((".", "/", "~")) or os.sep in s and s.count("/") != 1:
+        raise FileNotFoundError(
+            f"Model path {s!r} does not exist (offline names: {', '.join(OFFLINE_MODEL_NAMES)})."
+        )
+    return s

@@ -1,0 +1,235 @@
+"""Conditions (region sets under a profile) and their mismatch against the engine, token by token."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .. import metrics
+from ..patching import apply_roundalign, revert_roundalign
+from ..profiles import ALL_REGIONS, PAPER_CONDITIONS, PAPER_REGIONS
+from .scoring import Sample, hf_logprobs
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "CONDITION_SETS",
+    "Condition",
+    "build_conditions",
+    "completion_matrix",
+    "condition_stats",
+    "region_contributions",
+    "score_conditions",
+]
+
+CONDITION_SETS = ("paper", "regions", "all")
+_PAPER_NAMES = {regions: name for name, regions in PAPER_CONDITIONS.items()}
+
+
+@dataclass(frozen=True)
+class Condition:
+    """A region set under a rounding profile, with a name for tables."""
+
+    name: str
+    regions: tuple[str, ...]
+    profile: str
+
+
+def _name(regions: tuple[str, ...]) -> str:
+    return _PAPER_NAMES.get(regions) or "+".join(regions)
+
+
+def build_conditions(which: str, profile: str, *, exact: bool = False) -> list[Condition]:
+    """The conditions of one analysis.
+
+    Args:
+        which: `"paper"` (default BF16, RoPE-only, three regions), `"regions"` (default, each region
+            alone, the three together) or `"all"` (all 8 subsets of the three regions).
+        profile: the aligned conditions' profile (the default condition always uses `none`).
+        exact: append the exact mode (`ALL_REGIONS` under `vllm-compiled-exact`).
+    """
+    if which == "paper":
+        sets = [(), ("rope",), PAPER_REGIONS]
+    elif which == "regions":
+        sets = [()] + [(r,) for r in PAPER_REGIONS] + [PAPER_REGIONS]
+    elif which == "all":
+        sets = [tuple(c) for k in range(4) for c in itertools.combinations(PAPER_REGIONS, k)]
+    else:
+        raise ValueError(f"Unknown condition set {which!r}; choose one of {', '.join(CONDITION_SETS)}.")
+    out = [Condition(_name(s), s, "none" if not s else profile) for s in sets]
+    if exact:
+        out.append(Condition("exact", ALL_REGIONS, "vllm-compiled-exact"))
+    return out
+
+
+def score_conditions(
+    model_path,
+    samples: Sequence[Sample],
+    conditions: Sequence[Condition],
+    *,
+    reduction_lanes: Sequence[int] | None = None,
+    attn_implementation: str = "sdpa",
+    backend: str | None = None,
+    progress: bool = False,
+) -> dict[str, list[torch.Tensor]]:
+    """Score every sample's tokens with the Hugging Face model under each condition.
+
+    The model is loaded once in bf16; each condition is applied, scored and reverted. Sequences
+    are scored one at a time (no padding), so positions equal vLLM's.
+    """
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.bfloat16, attn_implementation=attn_implementation)
+    model.eval()
+    seqs = [s.token_ids for s in samples]
+    out: dict[str, list[torch.Tensor]] = {}
+    iterator = conditions
+    if progress:
+        from tqdm.auto import tqdm
+
+        iterator = tqdm(conditions, desc="scoring conditions", unit="condition")
+    for cond in iterator:
+        revert_roundalign(model)
+        lanes = reduction_lanes if cond.profile == "vllm-compiled-exact" else None
+        apply_roundalign(model, cond.regions, cond.profile, backend, reduction_lanes=lanes, positions_from_mask=False)
+        out[cond.name] = hf_logprobs(model, seqs)
+    revert_roundalign(model)
+    return out
+
+
+def completion_matrix(samples: Sequence[Sample], per_seq: Sequence[torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pad the completion-token log-probs of each sample into `[B, T]` values and mask.
+
+    `per_seq` entries are next-token log-probs of whole sequences (as `hf_logprobs` returns);
+    `None` takes the samples' own sampler log-probs.
+    """
+    width = max((len(s.completion_ids) for s in samples), default=0)
+    values = torch.full((len(samples), width), float("nan"), dtype=torch.float32)
+    mask = torch.zeros((len(samples), width), dtype=torch.long)
+    for i, s in enumerate(samples):
+        n = len(s.completion_ids)
+        if per_seq is None:
+            v = torch.tensor(s.sampler_logprobs[:n], dtype=torch.float32)
+        else:
+            v = per_seq[i][s.completion_slice].float()
+        values[i, : len(v)] = v
+        mask[i, :n] = 1
+    return values, mask
+
+
+def condition_stats(
+    samples: Sequence[Sample],
+    train: dict[str, list[torch.Tensor]],
+    prefill: Sequence[torch.Tensor],
+) -> dict[str, dict[str, dict[str, float]]]:
+    """`{condition: {"vs_prefill": metrics, "vs_sampler": metrics}}` over completion tokens."""
+    pre, mask = completion_matrix(samples, prefill)
+    samp, _ = completion_matrix(samples, None)
+    out = {}
+    for name, logps in train.items():
+        tr, _ = completion_matrix(samples, logps)
+        out[name] = {
+            "vs_prefill": metrics.token_stats(tr, pre, mask),
+            "vs_sampler": metrics.token_stats(tr, samp, mask),
+        }
+    return out
+
+
+def region_contributions(
+    stats: dict[str, dict[str, dict[str, float]]], conditions: Sequence[Condition], *, against: str = "vs_prefill"
+) -> dict[str, dict[str, float | None]]:
+    """Each paper region's contribution to lowering the KL (k3).
+
+    `alone`: KL(default) - KL(region alone); `removal`: KL(three regions without it) - KL(three regions).
+    Positive means the region lowers the mismatch; a negative value is a region that hurts (as the
+    paper saw for SwiGLU on one model). `None` where the needed conditions were not run.
+    """
+    k3 = {c.regions: stats[c.name][against]["mismatch/kl_k3"] for c in conditions if c.name in stats}
+    out = {}
+    for r in PAPER_REGIONS:
+        alone = k3[()] - k3[(r,)] if () in k3 and (r,) in k3 else None
+        rest = tuple(x for x in PAPER_REGIONS if x != r)
+        removal = k3[rest] - k3[PAPER_REGIONS] if rest in k3 and PAPER_REGIONS in k3 else None
+        out[r] = {"alone": alone, "removal": removal}
+    return out
+
+
+@dataclass
+class Comparison:
+    """Everything measured for one model: samples, engine log-probs and per-condition statistics."""
+
+    model: str
+    conditions: list[Condition]
+    samples: list[Sample]
+    prefill: list[torch.Tensor]
+    train: dict[str, list[torch.Tensor]]
+    stats: dict[str, dict[str, dict[str, float]]]
+    floors: dict[str, dict[str, float]]
+    reduction_lanes: list[int] | None
+
+
+def chat_prompts(tokenizer, n: int, *, seed: int = 0) -> list[list[int]]:
+    """`n` chat-formatted prompts (token ids) from the packaged arithmetic set."""
+    from ..data import arithmetic_dataset
+
+    rows = arithmetic_dataset().shuffle(seed=seed).select(range(n))
+    out = []
+    for row in rows:
+        ids = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        out.append(list(ids))
+    return out
+
+
+def compare_with_engine(
+    model_path,
+    llm,
+    conditions: Sequence[Condition],
+    *,
+    prompts: Sequence[Sequence[int]] | None = None,
+    num_prompts: int = 4,
+    samples_per_prompt: int = 2,
+    max_new_tokens: int = 48,
+    temperature: float = 1.0,
+    seed: int = 0,
+    floors: bool = True,
+    progress: bool = False,
+) -> Comparison:
+    """Generate with `llm`, score the same tokens under each condition, and compute the statistics.
+
+    Mismatch is measured against vLLM's prefill scoring of the full sequences (what the training
+    side can match) and against the sampler's decode-time log-probs (what the RL loss sees). The
+    engine's own floors are measured too: sampler vs prefill, and one-at-a-time vs batched prefill.
+    """
+    from ..engine import engine_info, inductor_reduction_lanes
+    from .scoring import generate_samples, vllm_prefill_logprobs
+
+    if prompts is None:
+        prompts = chat_prompts(llm.get_tokenizer(), num_prompts, seed=seed)
+    samples = generate_samples(llm, prompts, n=samples_per_prompt, max_tokens=max_new_tokens, temperature=temperature, seed=seed)
+    samples = [s for s in samples if s.completion_ids]
+    if not samples:
+        raise RuntimeError("vLLM generated no completion tokens; raise max_new_tokens or change the prompts.")
+    seqs = [s.token_ids for s in samples]
+    prefill = vllm_prefill_logprobs(llm, seqs)
+    lanes = None
+    if any(c.profile == "vllm-compiled-exact" for c in conditions):
+        info = engine_info(llm)
+        if not info.compiled or info.platform != "cpu":
+            raise ValueError("The exact condition reproduces vLLM-CPU's compiled engine; this engine is not one.")
+        lanes = inductor_reduction_lanes(llm)
+    train = score_conditions(model_path, samples, conditions, reduction_lanes=lanes, progress=progress)
+    stats = condition_stats(samples, train, prefill)
+    floor_stats: dict[str, dict[str, float]] = {}
+    if floors:
+        pre, mask = completion_matrix(samples, prefill)
+        samp, _ = completion_matrix(samples, None)
+        single, _ = completion_matrix(samples, vllm_prefill_logprobs(llm, seqs, one_at_a_time=True))
+        floor_stats["sampler_vs_prefill"] = metrics.token_stats(pre, samp, mask)
+        floor_stats["single_vs_batched_prefill"] = metrics.token_stats(single, pre, mask)
+    return Comparison(str(model_path), list(conditions), samples, prefill, train, stats, floor_stats, lanes)

@@ -1,0 +1,173 @@
+"""`trl-roundalign analyze | probe | env`.
+
+Bad input ends with one line on stderr (`trl-roundalign: error: ...`) and exit code 2, never a
+traceback; `--debug` shows the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+__all__ = ["main"]
+
+
+class UsageError(Exception):
+    """Bad input from the command line: printed as one line, exit code 2."""
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("vLLM engine")
+    g.add_argument("--enforce-eager", action="store_true", help="vLLM's eager engine (custom ops, no compile).")
+    g.add_argument(
+        "--custom-ops",
+        default=None,
+        help="vLLM compilation_config.custom_ops, comma separated (e.g. '+rms_norm,+silu_and_mul' or 'all').",
+    )
+    g.add_argument("--max-model-len", type=int, default=2048, help="Engine context length.")
+    g.add_argument("--gpu-memory-utilization", type=float, default=None, help="Engine memory share (host RAM on CPU).")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="trl-roundalign", description=__doc__.splitlines()[0])
+    parser.add_argument("--debug", action="store_true", help="Show tracebacks and debug logs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    a = sub.add_parser(
+        "analyze",
+        help="Static mismatch analysis: generate once with vLLM, score the same tokens under each condition.",
+        description="Generate with vLLM once, then score the same tokens with the Hugging Face model under each "
+        "condition; report the mismatch against vLLM's prefill scoring and the sampler, each region's contribution, "
+        "and the engine's own floors. Writes summary.md, summary.json, per_token.csv and PNG figures.",
+    )
+    a.add_argument("model", help="Model: a local checkpoint folder, 'smollm2-135m', 'tiny-qwen3' (etc.), or a hub id.")
+    a.add_argument("--prompts", default=None, help="Prompts: a local .jsonl/.json/.parquet file or a datasets name.")
+    a.add_argument("--prompt-column", default="prompt", help="Column with the prompt (text or chat messages).")
+    a.add_argument("--split", default="train", help="Dataset split (datasets names).")
+    a.add_argument("--num-prompts", type=int, default=8, help="Number of prompts.")
+    a.add_argument("--samples-per-prompt", type=int, default=4, help="Completions per prompt.")
+    a.add_argument("--max-new-tokens", type=int, default=128, help="Completion length limit.")
+    a.add_argument("--temperature", type=float, default=1.0, help="Sampling temperature.")
+    a.add_argument("--seed", type=int, default=0, help="Seed for prompt choice and sampling.")
+    a.add_argument("--profile", default="auto", help="Rounding profile of the aligned conditions ('auto': from the engine).")
+    a.add_argument(
+        "--conditions",
+        default="paper",
+        choices=("paper", "regions", "all"),
+        help="paper: default BF16, RoPE-only, three regions; regions: each region alone; all: all 8 subsets.",
+    )
+    a.add_argument("--exact", choices=("auto", "on", "off"), default="auto", help="Add the exact mode (vLLM-CPU compiled only).")
+    a.add_argument("--output-dir", default="outputs/analyze", help="Folder for the report files.")
+    a.add_argument("--no-floors", action="store_true", help="Skip measuring the engine's own floors.")
+    _engine_args(a)
+
+    p = sub.add_parser(
+        "probe",
+        help="Which rounding profile does the installed vLLM really use? Per region and at the model level.",
+        description="Run vLLM's own code for each region the way the configured engine runs it, compare it bit for "
+        "bit with every profile, then score a few sequences through the engine and the patched model to check the "
+        "residual stream handling.",
+    )
+    p.add_argument("model", nargs="?", default="tiny-qwen3", help="Model for shapes and the model-level check.")
+    p.add_argument("--rows", type=int, default=64, help="Rows (tokens) of random inputs per region.")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-model-check", action="store_true", help="Skip the model-level (engine) check.")
+    p.add_argument("--json", dest="json_out", default=None, help="Also write the report as JSON here.")
+    _engine_args(p)
+
+    e = sub.add_parser("env", help="Versions, device, detected engine mode and the profile 'auto' would choose.")
+    e.add_argument("--engine", action="store_true", help="Build a tiny engine to read its mode (slower).")
+    _engine_args(e)
+    return parser
+
+
+def engine_kwargs_from(args) -> dict:
+    kw: dict = {"enforce_eager": bool(args.enforce_eager), "max_model_len": args.max_model_len}
+    if args.gpu_memory_utilization is not None:
+        kw["gpu_memory_utilization"] = args.gpu_memory_utilization
+    if args.custom_ops:
+        kw["compilation_config"] = {"custom_ops": [s.strip() for s in args.custom_ops.split(",") if s.strip()]}
+    return kw
+
+
+def cmd_env(args) -> int:
+    import platform
+
+    import torch
+    import transformers
+    import trl
+
+    from . import __version__
+    from ._compat import is_vllm_cpu
+
+    rows = {
+        "trl-roundalign": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "trl": trl.__version__,
+    }
+    for mod in ("vllm", "triton", "peft", "accelerate", "datasets"):
+        try:
+            rows[mod] = __import__(mod).__version__
+        except Exception:
+            rows[mod] = "not installed"
+    rows["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"cpu ({platform.processor() or platform.machine()})"
+    rows["vllm platform"] = "cpu" if is_vllm_cpu() else ("cuda" if torch.cuda.is_available() else "n/a")
+    rows["TRITON_INTERPRET"] = os.environ.get("TRITON_INTERPRET", "unset")
+    if args.engine:
+        from .engine import build_llm, engine_info, profile_for_engine
+        from .local_models import tiny_model
+
+        llm = build_llm(tiny_model("qwen3"), **engine_kwargs_from(args))
+        info = engine_info(llm)
+        rows["engine mode"] = f"{info.compile_mode} (enforce_eager={info.enforce_eager}, custom_ops={info.custom_ops})"
+        rows["profile (auto)"] = profile_for_engine(info)
+    else:
+        rows["profile (auto)"] = (
+            ("vllm-eager-cpu" if is_vllm_cpu() else "vllm-eager") if args.enforce_eager else "vllm-compiled"
+        ) + " (from the flags; --engine builds one to check)"
+    width = max(len(k) for k in rows)
+    for k, v in rows.items():
+        print(f"{k:<{width}}  {v}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    try:
+        if args.command == "env":
+            return cmd_env(args)
+        if args.command == "analyze":
+            from .analysis.analyze import run_analyze_cli
+
+            return run_analyze_cli(args)
+        if args.command == "probe":
+            from .analysis.probe import run_probe_cli
+
+            report = run_probe_cli(args)
+            if args.json_out:
+                with open(args.json_out, "w") as fh:
+                    json.dump(report, fh, indent=2, default=str)
+            return 0
+    except KeyboardInterrupt:
+        print("trl-roundalign: interrupted", file=sys.stderr)
+        return 130
+    except (UsageError, ValueError, FileNotFoundError, ImportError, KeyError) as exc:
+        if args.debug:
+            raise
+        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"trl-roundalign: error: {msg}", file=sys.stderr)
+        return 2
+    parser.error(f"unknown command {args.command!r}")
+    return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,333 @@
+"""`RoundAlignGRPOTrainer`: TRL's `GRPOTrainer` with the policy rounded where vLLM rounds.
+
+A drop-in subclass. In `__init__` it:
+
+1. checks the options (guard clauses with actionable errors) and that the TRL internals it relies
+   on are where it expects them;
+2. loads the policy in bf16 (unless the user chose a dtype), applies the vLLM-CPU weight-sync fix
+   and builds the colocated engine with any extra engine options, in its own compile cache;
+3. derives the rounding profile from the engine it built (`roundalign_profile="auto"`);
+4. patches the policy (and the reference model) in place, before the first weight sync;
+5. keeps fp32 master weights when the parameters are bf16 and nothing else does;
+6. attaches `MismatchCallback`, fed with the training log-probs `_compute_loss` computes anyway.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import os
+import warnings
+import weakref
+
+import torch
+from trl import GRPOTrainer
+
+from . import __version__
+from ._compat import apply_vllm_cpu_weight_sync_fix, is_vllm_cpu
+from .callbacks import MismatchCallback
+from .config import RoundAlignGRPOConfig
+from .engine import engine_cache_root, engine_info, inductor_reduction_lanes, profile_for_engine, scoped_cache_root
+from .optim import MasterWeightsOptimizer
+from .patching import apply_roundalign, get_patch_report
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RoundAlignGRPOTrainer"]
+
+# TRL internals this trainer relies on, with the parameters it passes or reads (checked at init).
+_TRL_HOOKS = {
+    "_get_per_token_logps_and_entropies": ("model", "input_ids", "attention_mask", "logits_to_keep"),
+    "_compute_loss": ("model", "inputs"),
+    "_generate_and_score_completions": ("inputs",),
+}
+
+
+def check_trl_internals(cls=GRPOTrainer) -> None:
+    """Raise if a TRL private method this trainer relies on moved or changed its signature."""
+    import trl
+
+    for name, params in _TRL_HOOKS.items():
+        fn = getattr(cls, name, None)
+        if fn is None:
+            raise RuntimeError(
+                f"trl {trl.__version__}: GRPOTrainer.{name} is gone. trl-roundalign {__version__} was built against "
+                "trl 1.16; install trl==1.16.* or upgrade trl-roundalign."
+            )
+        have = list(inspect.signature(fn).parameters)[1:]
+        if list(have[: len(params)]) != list(params):
+            raise RuntimeError(
+                f"trl {trl.__version__}: GRPOTrainer.{name}{tuple(have)} no longer takes {params} first; "
+                "trl-roundalign was built against trl 1.16. Install trl==1.16.*."
+            )
+
+
+def _distributed_keeps_fp32_masters(args) -> bool:
+    try:
+        dt = str(args.distributed_state.distributed_type)
+    except Exception:  # pragma: no cover - accelerate state unavailable
+        return False
+    return "DEEPSPEED" in dt or "FSDP" in dt
+
+
+@contextlib.contextmanager
+def _engine_options(extra: dict | None):
+    """Inject engine options TRL does not expose into the `vllm.LLM(...)` call TRL makes."""
+    if not extra:
+        yield
+        return
+    import trl.generation.vllm_generation as vg
+
+    original = vg.LLM
+
+    def llm_with_options(*args, **kwargs):
+        kwargs.update(extra)
+        return original(*args, **kwargs)
+
+    vg.LLM = llm_with_options
+    try:
+        yield
+    finally:
+        vg.LLM = original
+
+
+class RoundAlignGRPOTrainer(GRPOTrainer):
+    """GRPO with rounding alignment; accepts exactly what `trl.GRPOTrainer` accepts.
+
+    `args` should be a `RoundAlignGRPOConfig` (a plain `GRPOConfig` is upgraded with the defaults).
+    After construction, `self.roundalign_profile`, `self.roundalign_report` (a `PatchReport`) and
+    `self.roundalign_engine` (an `EngineInfo`, colocate mode) say what was aligned to what.
+    """
+
+    def __init__(self, model, reward_funcs=None, args=None, *posargs, **kwargs):
+        check_trl_internals()
+        args = self._upgrade_args(model, args)
+        self._check_options(model, args)
+        self._roundalign_capture = False
+        self._roundalign_seen: dict[int, weakref.ref] = {}
+        self._mismatch_callback: MismatchCallback | None = None
+
+        engine_kwargs = dict(args.vllm_engine_kwargs or {})
+        colocate = args.use_vllm and args.vllm_mode == "colocate"
+        cache_ctx = contextlib.nullcontext()
+        if colocate:
+            apply_vllm_cpu_weight_sync_fix()
+            tag = "eager" if engine_kwargs.get("enforce_eager") else "compiled"
+            if "VLLM_CACHE_ROOT" not in os.environ or is_vllm_cpu():
+                cache_ctx = scoped_cache_root(engine_cache_root(tag))
+        with cache_ctx, _engine_options(engine_kwargs if colocate else None):
+            super().__init__(model, reward_funcs, args, *posargs, **kwargs)
+
+        self.roundalign_engine = None
+        if colocate:
+            self.roundalign_engine = engine_info(self.vllm_generation.llm)
+        self.roundalign_profile = self._resolve_profile(args)
+        self._check_dtypes()
+        self.roundalign_report = self._install_patches(args)
+        if args.log_mismatch:
+            log_file = args.mismatch_log_file or os.path.join(args.output_dir, "mismatch.jsonl")
+            cb = MismatchCallback(log_file=log_file, run_info=self.roundalign_run_info())
+            cb.attach(self)
+            self.add_callback(cb)
+            self._mismatch_callback = cb
+
+    # ------------------------------------------------------------------ setup
+
+    @staticmethod
+    def _upgrade_args(model, args):
+        if args is None:
+            name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "model")
+            return RoundAlignGRPOConfig(output_dir=f"{str(name).rstrip('/').split('/')[-1]}-GRPO-roundalign")
+        if isinstance(args, RoundAlignGRPOConfig):
+            return args
+        from trl import GRPOConfig
+
+        if isinstance(args, GRPOConfig):
+            raise TypeError(
+                "RoundAlignGRPOTrainer needs a RoundAlignGRPOConfig (it adds roundalign_regions, roundalign_profile, "
+                "log_mismatch, ...): replace `GRPOConfig(...)` with `RoundAlignGRPOConfig(...)`, same arguments."
+            )
+        raise TypeError(f"args must be a RoundAlignGRPOConfig, got {type(args).__name__}.")
+
+    @staticmethod
+    def _check_options(model, args: RoundAlignGRPOConfig) -> None:
+        if args.use_liger_kernel:
+            raise ValueError(
+                "use_liger_kernel=True patches the model again when training starts and would overwrite the aligned "
+                "regions. Turn it off: the aligned kernels replace Liger's for RoPE, SwiGLU and RMSNorm."
+            )
+        if (args.model_init_kwargs or {}).get("use_kernels"):
+            raise ValueError(
+                "model_init_kwargs['use_kernels']=True swaps in Hub kernels that round differently from the engine. "
+                "Remove it; the aligned regions bring their own kernels."
+            )
+        if args.roundalign_regions and not args.use_vllm:
+            raise ValueError(
+                "Rounding alignment aligns the trainer with a vLLM engine; set use_vllm=True (colocate or server), or "
+                "roundalign_regions=[] to train without it."
+            )
+        biased = []
+        if args.top_p is not None and args.top_p < 1.0:
+            biased.append(f"top_p={args.top_p}")
+        if args.top_k:
+            biased.append(f"top_k={args.top_k}")
+        if args.min_p:
+            biased.append(f"min_p={args.min_p}")
+        if args.repetition_penalty not in (None, 1.0):
+            biased.append(f"repetition_penalty={args.repetition_penalty}")
+        if biased:
+            warnings.warn(
+                f"Sampling with {', '.join(biased)}: vLLM's log-probs then come from a truncated/penalised "
+                "distribution while the trainer scores the full one, so the mismatch metrics (and the IS ratio) are "
+                "biased. Keep them for generation quality, but do not read mismatch/* as rounding mismatch.",
+                UserWarning,
+                stacklevel=3,
+            )
+        if not isinstance(model, str):
+            dtype = next(model.parameters()).dtype
+            if args.roundalign_regions and dtype not in (torch.bfloat16, torch.float16):
+                raise ValueError(
+                    f"The policy was passed in {dtype}; alignment is defined for the dtype the engine serves (bf16). "
+                    "Load it with `from_pretrained(path, dtype=torch.bfloat16)` or pass the path as a string."
+                )
+
+    def _resolve_profile(self, args: RoundAlignGRPOConfig) -> str:
+        wants_exact = "attention" in args.roundalign_regions
+        if args.roundalign_profile != "auto":
+            return args.roundalign_profile
+        if self.roundalign_engine is None:
+            logger.warning(
+                "roundalign_profile='auto' in vLLM server mode: the server's engine is not visible from here; assuming "
+                "'vllm-compiled' (vLLM's default). Run `trl-roundalign probe` with the server's settings to check."
+            )
+            return "vllm-compiled-exact" if wants_exact else "vllm-compiled"
+        profile = profile_for_engine(self.roundalign_engine)
+        if wants_exact:
+            if profile != "vllm-compiled" or self.roundalign_engine.platform != "cpu":
+                raise ValueError(
+                    "Exact mode (region 'attention') reproduces vLLM-CPU's compiled engine; this engine is "
+                    f"{self.roundalign_engine.platform}/{profile}. Drop 'attention' from roundalign_regions."
+                )
+            profile = "vllm-compiled-exact"
+        return profile
+
+    def _check_dtypes(self) -> None:
+        if self.roundalign_engine is None:
+            return
+        engine_dtype = self.vllm_generation.llm.llm_engine.model_config.dtype
+        model_dtype = next(self.model.parameters()).dtype
+        if self.args.roundalign_regions and engine_dtype != model_dtype:
+            raise ValueError(
+                f"The trainer's policy is {model_dtype} but the vLLM engine runs {engine_dtype}: that gap dwarfs any "
+                "rounding alignment. Load the policy in the engine's dtype (model_init_kwargs={'dtype': 'bfloat16'}) "
+                "or set the engine's dtype with vllm_engine_kwargs={'dtype': ...}."
+            )
+
+    def _install_patches(self, args: RoundAlignGRPOConfig):
+        lanes, source = None, None
+        if self.roundalign_profile == "vllm-compiled-exact" and self.roundalign_engine is not None:
+            lanes, source = inductor_reduction_lanes(self.vllm_generation.llm), "engine"
+        targets = [self.model] + ([self.ref_model] if getattr(self, "ref_model", None) is not None else [])
+        report = None
+        for target in targets:
+            report_t = apply_roundalign(
+                target,
+                args.roundalign_regions,
+                self.roundalign_profile,
+                args.roundalign_backend,
+                reduction_lanes=lanes,
+                lanes_source=source,
+                positions_from_mask=args.roundalign_positions_from_mask,
+            )
+            report = report or report_t
+        logger.info("RoundAlignGRPOTrainer: %s", report)
+        return report
+
+    def roundalign_run_info(self) -> dict:
+        """Versions, engine mode, profile and regions: the first line of the mismatch JSONL."""
+        import transformers
+        import trl
+
+        info = {
+            "trl_roundalign": __version__,
+            "trl": trl.__version__,
+            "transformers": transformers.__version__,
+            "torch": torch.__version__,
+            "profile": self.roundalign_profile,
+            "regions": list(self.args.roundalign_regions),
+            "backend": self.args.roundalign_backend,
+            "positions_from_mask": self.args.roundalign_positions_from_mask,
+            "vllm_mode": self.args.vllm_mode if self.args.use_vllm else None,
+            "importance_sampling_correction": bool(self.args.vllm_importance_sampling_correction),
+            "model": getattr(self.model.config, "_name_or_path", None),
+            "model_dtype": str(next(self.model.parameters()).dtype),
+            "fp32_master_weights": self._uses_master_weights(),
+        }
+        if self.roundalign_engine is not None:
+            info["engine"] = self.roundalign_engine.as_dict()
+        report = get_patch_report(self.model) if self.args.roundalign_regions or self.args.roundalign_positions_from_mask else None
+        if report is not None:
+            info["patched"] = report.as_dict()
+        return info
+
+    # ------------------------------------------------------------------ optimizer
+
+    def _uses_master_weights(self) -> bool:
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        low = bool(trainable) and all(p.dtype in (torch.bfloat16, torch.float16) for p in trainable)
+        return low and not _distributed_keeps_fp32_masters(self.args) and self.args.roundalign_fp32_master_weights
+
+    def create_optimizer(self, model=None):
+        optimizer = super().create_optimizer(model) if "model" in inspect.signature(super().create_optimizer).parameters else super().create_optimizer()
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        low = bool(trainable) and all(p.dtype in (torch.bfloat16, torch.float16) for p in trainable)
+        if not low or _distributed_keeps_fp32_masters(self.args) or isinstance(optimizer, MasterWeightsOptimizer):
+            return optimizer
+        if not self.args.roundalign_fp32_master_weights:
+            raise ValueError(
+                "The trainable parameters are bf16/fp16 and no DeepSpeed/FSDP mixed precision keeps fp32 master "
+                "weights: with roundalign_fp32_master_weights=False, updates below half an ulp (most of them at lr "
+                "1e-6) round away. Set roundalign_fp32_master_weights=True or train under ZeRO/FSDP."
+            )
+        groups = [{k: v for k, v in g.items()} for g in optimizer.param_groups]
+        self.optimizer = MasterWeightsOptimizer(groups, type(optimizer))
+        logger.info("fp32 master weights: %d tensors, inner optimizer %s", len(self.optimizer.masters), type(optimizer).__name__)
+        return self.optimizer
+
+    # ------------------------------------------------------------------ mismatch capture
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        out = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+        if self._roundalign_capture:
+            self._roundalign_captured = out[0].detach()
+        return out
+
+    def _seen(self, t: torch.Tensor) -> bool:
+        ref = self._roundalign_seen.get(id(t))
+        return ref is not None and ref() is t
+
+    def _compute_loss(self, model, inputs):
+        cb = self._mismatch_callback
+        sampling = inputs.get("sampling_per_token_logps")
+        # Each generated batch is scored once, at the weights vLLM sampled with: with num_iterations > 1 the
+        # same buffered inputs come back after updates (TRL then keeps old_per_token_logps from generation time).
+        want = cb is not None and self.model.training and sampling is not None and not self._seen(sampling)
+        self._roundalign_capture = want and inputs.get("old_per_token_logps") is None
+        self._roundalign_captured = None
+        try:
+            loss = super()._compute_loss(model, inputs)
+        finally:
+            self._roundalign_capture = False
+        if want:
+            train_logps = inputs.get("old_per_token_logps")
+            if train_logps is None:
+                train_logps = self._roundalign_captured
+            mask = inputs["completion_mask"]
+            if "tool_mask" in inputs:
+                mask = mask * inputs["tool_mask"]
+            cb.record(train_logps, sampling, mask)
+            self._roundalign_seen = {k: r for k, r in self._roundalign_seen.items() if r() is not None}
+            self._roundalign_seen[id(sampling)] = weakref.ref(sampling)
+        self._roundalign_captured = None
+        return loss
