@@ -27,7 +27,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="vLLM compilation_config.custom_ops, comma separated (e.g. '+rms_norm,+silu_and_mul' or 'all').",
     )
-    g.add_argument("--max-model-len", type=int, default=2048, help="Engine context length.")
+    g.add_argument("--max-model-len", type=int, default=None, help="Engine context length (default: the model's).")
     g.add_argument("--gpu-memory-utilization", type=float, default=None, help="Engine memory share (host RAM on CPU).")
 
 
@@ -136,6 +136,17 @@ def cmd_env(args) -> int:
     return 0
 
 
+def one_line(exc: BaseException) -> str:
+    """The useful line of an exception message (pydantic puts it on the second line)."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    if not lines:
+        return type(exc).__name__
+    msg = lines[0]
+    if "validation error" in msg and len(lines) > 1:
+        msg = f"{msg}: {lines[1]}"
+    return msg[:500]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -162,8 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, ValueError, FileNotFoundError, ImportError, KeyError) as exc:
         if args.debug:
             raise
-        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        print(f"trl-roundalign: error: {msg}", file=sys.stderr)
+        print(f"trl-roundalign: error: {one_line(exc)}", file=sys.stderr)
         return 2
     parser.error(f"unknown command {args.command!r}")
     return 2

@@ -72,7 +72,7 @@ def build_llm(
     *,
     enforce_eager: bool = False,
     seed: int = 0,
-    max_model_len: int = 1024,
+    max_model_len: int | None = None,
     cache_tag: str = "",
     weight_sync_fix: bool = True,
     **llm_kwargs,
@@ -83,7 +83,7 @@ def build_llm(
         model: checkpoint folder (or hub id, where a hub is reachable).
         enforce_eager: build vLLM's eager engine (custom ops, no compile) instead of the compiled one.
         seed: engine seed.
-        max_model_len: context length.
+        max_model_len: context length (None: the model's own).
         cache_tag: extra name for this engine's compile cache (use one per differently patched engine).
         weight_sync_fix: apply the vLLM-CPU weight-sync fix first (on CPU; as training does).
         **llm_kwargs: passed to `vllm.LLM` (e.g. `compilation_config`, `gpu_memory_utilization`).
@@ -107,14 +107,10 @@ def build_llm(
     llm_kwargs.setdefault("gpu_memory_utilization", 0.3 if is_vllm_cpu() else 0.5)
     tag = "eager" if enforce_eager else "compiled"
     root = engine_cache_root("-".join(t for t in (tag, cache_tag) if t))
+    if max_model_len is not None:
+        llm_kwargs["max_model_len"] = max_model_len
     with scoped_cache_root(root):
-        llm = LLM(
-            model=str(model),
-            enforce_eager=enforce_eager,
-            seed=seed,
-            max_model_len=max_model_len,
-            **llm_kwargs,
-        )
+        llm = LLM(model=str(model), enforce_eager=enforce_eager, seed=seed, **llm_kwargs)
     llm._roundalign_cache_root = root
     return llm
 

@@ -1,0 +1,169 @@
+"""RoundAlignGRPOTrainer: profile auto-detection, LoRA, checkpoints and resume, plain GRPOTrainer + callback, guards."""
+
+from __future__ import annotations
+
+import gc
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from trainer_helpers import config_kwargs, make_config, varied_reward  # tests/trainer is on sys.path
+from transformers import AutoModelForCausalLM
+
+from trl_roundalign import MismatchCallback, RoundAlignGRPOTrainer, get_patch_report
+from trl_roundalign.analysis.compare import Condition, compare_with_engine
+from trl_roundalign.data import arithmetic_dataset
+from trl_roundalign.local_models import tiny_model
+from trl_roundalign.profiles import PAPER_REGIONS
+
+pytestmark = pytest.mark.vllm
+
+
+def _free(*objs):
+    for o in objs:
+        del o
+    gc.collect()
+
+
+@pytest.mark.parametrize(
+    ("engine_kwargs", "expected", "other"),
+    [(None, "vllm-compiled", "vllm-eager-cpu"), ({"enforce_eager": True}, "vllm-eager-cpu", "vllm-compiled")],
+    ids=["compiled", "eager"],
+)
+def test_auto_profile_follows_the_engine_and_matches_it_better(tmp_path, engine_kwargs, expected, other):
+    path = tiny_model("qwen3", initializer_range=0.2, head_dim=64, hidden_size=256, intermediate_size=512, qk_norm_gain=2.0)
+    args = make_config(tmp_path, max_steps=1, vllm_engine_kwargs=engine_kwargs)
+    trainer = RoundAlignGRPOTrainer(model=str(path), reward_funcs=varied_reward, args=args, train_dataset=arithmetic_dataset("train[:8]"))
+    assert trainer.roundalign_profile == expected
+    assert trainer.roundalign_engine.enforce_eager == bool(engine_kwargs)
+    # The chosen profile reproduces this engine better than the other reading does.
+    conds = [Condition("chosen", PAPER_REGIONS, expected), Condition("other", PAPER_REGIONS, other)]
+    comp = compare_with_engine(path, trainer.vllm_generation.llm, conds, num_prompts=4, samples_per_prompt=2, max_new_tokens=32, floors=False)
+    chosen = comp.stats["chosen"]["vs_prefill"]["mismatch/kl_k3"]
+    worse = comp.stats["other"]["vs_prefill"]["mismatch/kl_k3"]
+    assert chosen < worse, (expected, chosen, other, worse)
+    _free(trainer)
+
+
+def test_lora_with_gradient_checkpointing_trains(tmp_path):
+    peft = pytest.importorskip("peft")
+    args = make_config(tmp_path, max_steps=2, gradient_checkpointing=True, learning_rate=1e-4)
+    trainer = RoundAlignGRPOTrainer(
+        model=str(tiny_model("qwen3")),
+        reward_funcs=varied_reward,
+        args=args,
+        train_dataset=arithmetic_dataset("train[:16]"),
+        peft_config=peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj"], task_type="CAUSAL_LM"),
+    )
+    assert get_patch_report(trainer.model).regions == PAPER_REGIONS
+    lora_before = {k: v.detach().clone() for k, v in trainer.model.named_parameters() if "lora_B" in k}
+    trainer.train()
+    moved = [k for k, v in trainer.model.named_parameters() if k in lora_before and not torch.equal(v, lora_before[k])]
+    assert moved, "LoRA weights did not train"
+    steps = [h for h in trainer.state.log_history if "mismatch/kl_k3" in h]
+    assert len(steps) == 2
+    _free(trainer)
+
+
+def test_checkpoint_loads_in_plain_transformers_and_resume_reapplies_patches(tmp_path):
+    out = tmp_path / "run"
+    args = make_config(out, max_steps=2, save_strategy="steps", save_steps=2, learning_rate=1e-5)
+    trainer = RoundAlignGRPOTrainer(
+        model=str(tiny_model("llama")), reward_funcs=varied_reward, args=args, train_dataset=arithmetic_dataset("train[:32]")
+    )
+    trainer.train()
+    ckpt = out / "checkpoint-2"
+    assert ckpt.is_dir()
+    plain = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16)
+    trained = dict(trainer.model.named_parameters())
+    for k, v in plain.named_parameters():
+        assert torch.equal(v, trained[k].detach()), k
+    masters = [m.clone() for m in trainer.optimizer.optimizer.masters]
+    _free(trainer)
+
+    args = make_config(out, max_steps=3, save_strategy="no", learning_rate=1e-5)
+    resumed = RoundAlignGRPOTrainer(
+        model=str(tiny_model("llama")), reward_funcs=varied_reward, args=args, train_dataset=arithmetic_dataset("train[:32]")
+    )
+    resumed.train(resume_from_checkpoint=str(ckpt))
+    assert get_patch_report(resumed.model) is not None
+    assert resumed.state.global_step == 3
+    rows = [json.loads(x) for x in (out / "mismatch.jsonl").read_text().splitlines()]
+    assert rows[0]["run_info"]["regions"] == list(PAPER_REGIONS)
+    assert any(r.get("resumed_at_step") == 2 for r in rows if "run_info" in r)
+    assert [r["step"] for r in rows if "step" in r] == [1, 2, 3]
+    # The fp32 masters came back from the checkpoint (not re-derived from bf16 weights).
+    assert len(masters) == len(resumed.optimizer.optimizer.masters)
+    _free(resumed)
+
+
+def test_plain_grpo_trainer_with_the_callback(tmp_path):
+    from trl import GRPOConfig, GRPOTrainer
+
+    from trl_roundalign._compat import apply_vllm_cpu_weight_sync_fix
+
+    apply_vllm_cpu_weight_sync_fix()
+    args = GRPOConfig(**config_kwargs(tmp_path, max_steps=2, vllm_importance_sampling_correction=True))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model("qwen2"), dtype=torch.bfloat16)
+    trainer = GRPOTrainer(model=model, reward_funcs=varied_reward, args=args, train_dataset=arithmetic_dataset("train[:16]"))
+    cb = MismatchCallback(log_file=tmp_path / "plain.jsonl").attach(trainer)
+    trainer.add_callback(cb)
+    trainer.train()
+    steps = [h for h in trainer.state.log_history if "mismatch/kl_k3" in h]
+    assert len(steps) == 2 and all(h["mismatch/tokens"] > 0 for h in steps)
+    # TRL's own mismatch metric and ours describe the same tokens.
+    assert all("sampling/sampling_logp_difference/mean" in h for h in steps)
+    _free(trainer)
+
+
+def test_guards(tmp_path):
+    ds = arithmetic_dataset("train[:8]")
+    path = str(tiny_model("llama"))
+    from trl import GRPOConfig
+
+    with pytest.raises(TypeError, match="RoundAlignGRPOConfig"):
+        RoundAlignGRPOTrainer(model=path, reward_funcs=varied_reward, args=GRPOConfig(**config_kwargs(tmp_path)), train_dataset=ds)
+    with pytest.raises(ValueError, match="use_liger_kernel"):
+        RoundAlignGRPOTrainer(model=path, reward_funcs=varied_reward, args=make_config(tmp_path, use_liger_kernel=True), train_dataset=ds)
+    with pytest.raises(ValueError, match="use_kernels"):
+        RoundAlignGRPOTrainer(
+            model=path, reward_funcs=varied_reward, args=make_config(tmp_path, model_init_kwargs={"use_kernels": True}), train_dataset=ds
+        )
+    with pytest.raises(ValueError, match="use_vllm=True"):
+        RoundAlignGRPOTrainer(model=path, reward_funcs=varied_reward, args=make_config(tmp_path, use_vllm=False), train_dataset=ds)
+    fp32 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with pytest.raises(ValueError, match="dtype=torch.bfloat16"):
+        RoundAlignGRPOTrainer(model=fp32, reward_funcs=varied_reward, args=make_config(tmp_path), train_dataset=ds)
+    with pytest.raises(ValueError, match="engine runs torch.bfloat16"):
+        RoundAlignGRPOTrainer(
+            model=path, reward_funcs=varied_reward, args=make_config(tmp_path, model_init_kwargs={"dtype": "float32"}), train_dataset=ds
+        )
+    with pytest.raises(ValueError, match="known regions"):
+        make_config(tmp_path, roundalign_regions=["rope", "gelu"])
+    with pytest.raises(ValueError, match="roundalign_profile"):
+        make_config(tmp_path, roundalign_profile="fast")
+    with pytest.raises(ValueError, match="JSON"):
+        make_config(tmp_path, vllm_engine_kwargs="{enforce_eager: true")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = RoundAlignGRPOTrainer(
+            model=path, reward_funcs=varied_reward, args=make_config(tmp_path, top_p=0.9, max_steps=1), train_dataset=ds
+        )
+    assert any("top_p=0.9" in str(w.message) and "biased" in str(w.message) for w in caught)
+    _free(trainer)
+
+
+def test_regions_none_and_exact_from_config(tmp_path):
+    assert make_config(tmp_path, roundalign_regions=["none"]).roundalign_regions == []
+    assert make_config(tmp_path, roundalign_regions="rope,swiglu").roundalign_regions == ["rope", "swiglu"]
+    cfg = make_config(tmp_path, roundalign_regions=["rope", "swiglu", "rmsnorm", "attention"])
+    assert cfg.roundalign_regions[-1] == "attention"
+    assert cfg.vllm_importance_sampling_correction is False
+    assert cfg.model_init_kwargs["dtype"] == "bfloat16"
+
+
+def test_mismatch_jsonl_path_default_and_override(tmp_path):
+    cfg = make_config(tmp_path, mismatch_log_file=str(tmp_path / "x" / "m.jsonl"))
+    assert Path(cfg.mismatch_log_file).name == "m.jsonl"

@@ -1,0 +1,359 @@
+"""`trl-roundalign analyze`: the paper's static mismatch analysis, extended.
+
+Generate once with vLLM (recording the sampler's log-probs), score the same tokens with the
+Hugging Face model under each condition, and report for each condition the statistics the
+trainer's callback logs, twice: against vLLM's prefill scoring (what the training side can
+control) and against the sampler (what the RL loss sees); each region's contribution (alone, and
+removed from the three); and the engine's own floors (decode vs prefill, one-at-a-time vs batched).
+
+Outputs in `output_dir`: `summary.md`, `summary.json`, `per_token.csv`, `kl_by_condition.png`,
+`abs_logp_diff_cdf.png`, `prob_scatter.png`.
+
+`summary.json` fields:
+
+- `model`, `engine` (vLLM version, platform, compile mode, custom ops, enforce_eager),
+  `profile` (of the aligned conditions), `settings` (prompts, samples, lengths, temperature, seed);
+- `conditions`: list of `{name, regions, profile, vs_prefill: {metric: value}, vs_sampler: {...}}`
+  with the metric keys of `trl_roundalign.metrics.METRIC_DOCS`;
+- `contributions`: `{region: {alone, removal}}` in k3 units against prefill (positive: the region lowers
+  the mismatch; `null` where the needed conditions were not run);
+- `floors`: `{sampler_vs_prefill, single_vs_batched_prefill}`: the same metrics between the engine's own
+  log-prob sets; no training-side change can go below these against the sampler;
+- `tokens`: number of completion tokens scored.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import math
+import os
+from pathlib import Path
+
+import torch
+
+from .compare import Comparison, build_conditions, compare_with_engine, completion_matrix, region_contributions
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["analyze", "load_prompts", "run_analyze_cli", "write_report"]
+
+_TABLE_KEYS = (
+    ("k3 vs prefill", "vs_prefill", "mismatch/kl_k3"),
+    ("mean|Δ| vs prefill", "vs_prefill", "mismatch/abs_logp_diff/mean"),
+    ("max|Δ| vs prefill", "vs_prefill", "mismatch/abs_logp_diff/max"),
+    ("bit-identical", "vs_prefill", "mismatch/frac_bitwise_equal"),
+    ("k3 vs sampler", "vs_sampler", "mismatch/kl_k3"),
+)
+
+
+def load_prompts(source: str | None, tokenizer, *, column: str = "prompt", split: str = "train", n: int = 8, seed: int = 0) -> list[list[int]]:
+    """Prompts as token ids: chat messages get the chat template (with the generation prompt).
+
+    Args:
+        source: a local `.jsonl`/`.json`/`.parquet` file, a `datasets` name, or None for the packaged
+            arithmetic prompts.
+        tokenizer: the model's tokenizer.
+        column: the prompt column (text or a list of `{"role", "content"}` messages).
+        split: dataset split for `datasets` names.
+        n: number of prompts (taken after a seeded shuffle).
+        seed: shuffle seed.
+
+    Raises:
+        FileNotFoundError: a file path that does not exist.
+        ValueError: an empty prompt set, a missing column, or `n < 1`.
+    """
+    import datasets
+
+    if n < 1:
+        raise ValueError(f"--num-prompts must be at least 1, got {n}.")
+    if source is None:
+        from ..data import arithmetic_dataset
+
+        ds = arithmetic_dataset()
+    else:
+        suffix = Path(source).suffix.lower()
+        if suffix in (".jsonl", ".json", ".parquet"):
+            if not Path(source).exists():
+                raise FileNotFoundError(f"Prompt file {source} does not exist.")
+            builder = "parquet" if suffix == ".parquet" else "json"
+            try:
+                ds = datasets.load_dataset(builder, data_files=source, split="train")
+            except Exception as exc:  # datasets raises many types for unreadable/empty files
+                raise ValueError(f"Cannot read prompts from {source}: {exc}") from None
+        elif Path(source).exists():
+            raise ValueError(f"{source}: prompt files must be .jsonl, .json or .parquet.")
+        else:
+            ds = datasets.load_dataset(source, split=split)
+    if len(ds) == 0:
+        raise ValueError(f"The prompt set {source or 'arithmetic'} is empty.")
+    if column not in ds.column_names:
+        raise ValueError(f"Prompt column {column!r} not found; columns: {', '.join(ds.column_names)} (use --prompt-column).")
+    ds = ds.shuffle(seed=seed).select(range(min(n, len(ds))))
+    out = []
+    for row in ds:
+        p = row[column]
+        if isinstance(p, list):
+            ids = tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True)
+            if not isinstance(ids, list):
+                ids = ids["input_ids"]
+        elif isinstance(p, str):
+            ids = tokenizer.encode(p, add_special_tokens=True)
+        else:
+            raise ValueError(f"Prompt column {column!r} holds {type(p).__name__}; expected text or chat messages.")
+        if not ids:
+            raise ValueError("A prompt tokenised to zero tokens.")
+        out.append(list(ids))
+    return out
+
+
+def analyze(
+    model: str,
+    *,
+    prompts: str | None = None,
+    prompt_column: str = "prompt",
+    split: str = "train",
+    num_prompts: int = 8,
+    samples_per_prompt: int = 4,
+    max_new_tokens: int = 128,
+    temperature: float = 1.0,
+    seed: int = 0,
+    profile: str = "auto",
+    conditions: str = "paper",
+    exact: str = "auto",
+    engine_kwargs: dict | None = None,
+    floors: bool = True,
+    output_dir: str | os.PathLike | None = None,
+    progress: bool = True,
+    llm=None,
+) -> dict:
+    """Run the analysis and (with `output_dir`) write the report; returns the `summary.json` dict."""
+    from ..engine import build_llm, engine_info, profile_for_engine
+    from ..local_models import resolve_model
+    from ..profiles import get_profile
+
+    if samples_per_prompt < 1:
+        raise ValueError(f"--samples-per-prompt must be at least 1, got {samples_per_prompt}.")
+    if max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be at least 1, got {max_new_tokens}.")
+    model_path = resolve_model(model)
+    _check_architecture(model_path)
+    if llm is None:
+        llm = build_llm(model_path, seed=seed, **(engine_kwargs or {}))
+    info = engine_info(llm)
+    resolved = profile_for_engine(info) if profile == "auto" else get_profile(profile).name
+    if exact == "auto":
+        use_exact = info.compiled and info.platform == "cpu" and resolved == "vllm-compiled"
+    else:
+        use_exact = exact == "on"
+    conds = build_conditions(conditions, resolved, exact=use_exact)
+    prompt_ids = load_prompts(prompts, llm.get_tokenizer(), column=prompt_column, split=split, n=num_prompts, seed=seed)
+    comp = compare_with_engine(
+        model_path,
+        llm,
+        conds,
+        prompts=prompt_ids,
+        samples_per_prompt=samples_per_prompt,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        seed=seed,
+        floors=floors,
+        progress=progress,
+    )
+    summary = {
+        "model": model,
+        "model_path": model_path,
+        "engine": info.as_dict(),
+        "profile": resolved,
+        "settings": {
+            "prompts": prompts or "arithmetic (packaged)",
+            "num_prompts": len(prompt_ids),
+            "samples_per_prompt": samples_per_prompt,
+            "max_new_tokens": max_new_tokens,
+            "temperature": temperature,
+            "seed": seed,
+            "conditions": conditions,
+        },
+        "tokens": int(sum(len(s.completion_ids) for s in comp.samples)),
+        "conditions": [
+            {"name": c.name, "regions": list(c.regions), "profile": c.profile, **comp.stats[c.name]} for c in comp.conditions
+        ],
+        "contributions": region_contributions(comp.stats, comp.conditions),
+        "floors": comp.floors,
+    }
+    if output_dir is not None:
+        write_report(summary, comp, output_dir)
+    return summary
+
+
+def _check_architecture(model_path: str) -> None:
+    from transformers import AutoConfig
+
+    from ..models import get_spec
+
+    try:
+        cfg = AutoConfig.from_pretrained(model_path)
+    except OSError as exc:
+        raise FileNotFoundError(f"Cannot load a model config from {model_path!r}: {str(exc).splitlines()[0]}") from None
+    get_spec(cfg.model_type)
+
+
+def _fmt(v) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "n/a"
+    if isinstance(v, float):
+        return f"{v:.3e}" if v != 0 and (abs(v) < 1e-2 or abs(v) >= 1e4) else f"{v:.4f}"
+    return str(v)
+
+
+def format_table(summary: dict) -> str:
+    """The conditions table (markdown) a person reads."""
+    head = "| condition | regions | profile | " + " | ".join(k for k, _, _ in _TABLE_KEYS) + " |"
+    sep = "|" + "---|" * (3 + len(_TABLE_KEYS))
+    rows = [head, sep]
+    for c in summary["conditions"]:
+        vals = [_fmt(c[side][key]) for _, side, key in _TABLE_KEYS]
+        rows.append(f"| {c['name']} | {'+'.join(c['regions']) or '—'} | {c['profile']} | " + " | ".join(vals) + " |")
+    for name, stats in summary.get("floors", {}).items():
+        label = {"sampler_vs_prefill": "floor: sampler vs prefill", "single_vs_batched_prefill": "floor: single vs batched prefill"}[name]
+        vals = [_fmt(stats[key]) if side == "vs_prefill" else "" for _, side, key in _TABLE_KEYS]
+        rows.append(f"| {label} | | engine | " + " | ".join(vals) + " |")
+    return "\n".join(rows)
+
+
+def format_contributions(summary: dict) -> str:
+    rows = ["| region | k3 drop alone (default − region) | k3 drop in the three (without − with) |", "|---|---|---|"]
+    for r, v in summary["contributions"].items():
+        rows.append(f"| {r} | {_fmt(v['alone'])} | {_fmt(v['removal'])} |")
+    return "\n".join(rows)
+
+
+def write_report(summary: dict, comp: Comparison, output_dir: str | os.PathLike) -> Path:
+    """Write summary.md, summary.json, per_token.csv and the figures."""
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "summary.json", "w") as fh:
+        json.dump(summary, fh, indent=2, default=float)
+    eng = summary["engine"]
+    md = [
+        f"# Mismatch analysis: {summary['model']}",
+        "",
+        f"vLLM {eng['vllm_version']} on {eng['platform']}, compile mode {eng['compile_mode']}, enforce_eager="
+        f"{eng['enforce_eager']}; aligned profile `{summary['profile']}`; {summary['tokens']} completion tokens "
+        f"({summary['settings']['num_prompts']} prompts x {summary['settings']['samples_per_prompt']} samples, "
+        f"temperature {summary['settings']['temperature']}).",
+        "",
+        "Per-token statistics over completion tokens; Δ = log p_train − log p_vLLM; k3 estimates KL(vLLM || train). "
+        "'vs prefill' compares with vLLM's prompt scoring of the same sequences (what the training side can match), "
+        "'vs sampler' with the log-probs recorded while sampling (what the RL loss sees). The floor rows compare the "
+        "engine with itself.",
+        "",
+        format_table(summary),
+        "",
+        "## Region contributions (k3 vs prefill; negative = the region raises the mismatch)",
+        "",
+        format_contributions(summary),
+        "",
+    ]
+    (out / "summary.md").write_text("\n".join(md))
+    _write_csv(comp, out / "per_token.csv")
+    _plots(summary, comp, out)
+    return out
+
+
+def _write_csv(comp: Comparison, path: Path) -> None:
+    pre, mask = completion_matrix(comp.samples, comp.prefill)
+    samp, _ = completion_matrix(comp.samples, None)
+    train = {name: completion_matrix(comp.samples, v)[0] for name, v in comp.train.items()}
+    with open(path, "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["sequence", "prompt_index", "position", "token_id", "vllm_sampler", "vllm_prefill", *[f"train_{n}" for n in train]])
+        for i, s in enumerate(comp.samples):
+            for t in range(len(s.completion_ids)):
+                w.writerow(
+                    [i, s.prompt_index, t, s.completion_ids[t], f"{samp[i, t].item():.9g}", f"{pre[i, t].item():.9g}"]
+                    + [f"{v[i, t].item():.9g}" for v in train.values()]
+                )
+
+
+def _plots(summary: dict, comp: Comparison, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [c["name"] for c in summary["conditions"]]
+    fig, ax = plt.subplots(figsize=(max(5, 1.3 * len(names)), 3.6))
+    x = range(len(names))
+    pre = [c["vs_prefill"]["mismatch/kl_k3"] for c in summary["conditions"]]
+    smp = [c["vs_sampler"]["mismatch/kl_k3"] for c in summary["conditions"]]
+    ax.bar([i - 0.2 for i in x], pre, width=0.4, label="vs vLLM prefill")
+    ax.bar([i + 0.2 for i in x], smp, width=0.4, label="vs vLLM sampler")
+    floor = summary.get("floors", {}).get("sampler_vs_prefill")
+    if floor:
+        ax.axhline(floor["mismatch/kl_k3"], color="gray", ls="--", lw=1, label="floor: sampler vs prefill")
+    ax.set_xticks(list(x), names, rotation=20, ha="right")
+    ax.set_ylabel("k3 estimate of KL(vLLM || train)")
+    ax.set_title(f"{summary['model']}: mismatch per condition")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "kl_by_condition.png", dpi=120)
+    plt.close(fig)
+
+    pre_m, mask = completion_matrix(comp.samples, comp.prefill)
+    valid = mask.bool()
+    fig, ax = plt.subplots(figsize=(5, 3.6))
+    for name, v in comp.train.items():
+        tr, _ = completion_matrix(comp.samples, v)
+        d = (tr - pre_m)[valid].abs().sort().values
+        if d.numel():
+            ys = torch.arange(1, d.numel() + 1) / d.numel()
+            ax.plot(d.clamp(min=1e-7).numpy(), ys.numpy(), label=name, lw=1.2)
+    ax.set_xscale("log")
+    ax.set_xlabel("|Δ log p| vs vLLM prefill (0 drawn at 1e-7)")
+    ax.set_ylabel("fraction of tokens ≤ x")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "abs_logp_diff_cdf.png", dpi=120)
+    plt.close(fig)
+
+    shown = [n for n in ("bf16_default", "three_region", "exact") if n in comp.train] or list(comp.train)[:2]
+    fig, axes = plt.subplots(1, len(shown), figsize=(3.6 * len(shown), 3.4), squeeze=False)
+    for ax, name in zip(axes[0], shown):
+        tr, _ = completion_matrix(comp.samples, comp.train[name])
+        ax.scatter(pre_m[valid].exp().numpy(), tr[valid].exp().numpy(), s=4, alpha=0.5)
+        ax.plot([0, 1], [0, 1], color="gray", lw=0.8)
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel("p vLLM (prefill)")
+        ax.set_ylabel("p train")
+    fig.tight_layout()
+    fig.savefig(out / "prob_scatter.png", dpi=120)
+    plt.close(fig)
+
+
+def run_analyze_cli(args) -> int:
+    from ..cli import engine_kwargs_from
+
+    summary = analyze(
+        args.model,
+        prompts=args.prompts,
+        prompt_column=args.prompt_column,
+        split=args.split,
+        num_prompts=args.num_prompts,
+        samples_per_prompt=args.samples_per_prompt,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+        profile=args.profile,
+        conditions=args.conditions,
+        exact=args.exact,
+        engine_kwargs=engine_kwargs_from(args),
+        floors=not args.no_floors,
+        output_dir=args.output_dir,
+    )
+    print(format_table(summary))
+    print()
+    print(format_contributions(summary))
+    print(f"\nreport written to {args.output_dir}/ (summary.md, summary.json, per_token.csv, *.png)")
+    return 0
