@@ -1,0 +1,42 @@
+"""Two CPU processes (gloo), each with its own colocated vLLM: the logged metrics equal the metrics of the union.
+
+`accelerate launch` starts several CPU processes only through mpirun (its MULTI_CPU launcher), which this
+machine lacks; torchrun is the launcher accelerate itself uses for multi-process runs, so the test uses it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from trl_roundalign import metrics
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+def test_two_process_metrics_equal_the_union(tmp_path):
+    script = Path(__file__).with_name("two_process_run.py")
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29561", str(script), str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    assert all(r["world"] == 2 for r in ranks)
+    steps = len(ranks[0]["logged"])
+    assert steps == 2
+    for a, b in zip(ranks[0]["logged"], ranks[1]["logged"]):
+        assert {k: v for k, v in a.items() if k.startswith("mismatch/")} == {k: v for k, v in b.items() if k.startswith("mismatch/")}
+    for step in range(steps):
+        # One micro-batch per step per rank here (gradient_accumulation_steps=1).
+        parts = [r["recorded"][step] for r in ranks]
+        union = metrics.merge_sums([metrics.mismatch_sums(t, s, m) for t, s, m in parts])
+        expected = metrics.finalize(union)
+        logged = ranks[0]["logged"][step]
+        assert logged["mismatch/tokens"] == expected["mismatch/tokens"] == sum(int(p[2].sum()) for p in parts)
+        for key, value in expected.items():
+            assert logged[key] == pytest.approx(value, rel=1e-12, abs=0), key
