@@ -9,7 +9,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trl_roundalign.local_models import SUPPORTED_TINY_ARCHS, VLLM_CPU_HEAD_DIMS, build_tiny_model, smollm2_135m, tiny_model
+from trl_roundalign.local_models import (
+    SUPPORTED_TINY_ARCHS,
+    VLLM_CPU_HEAD_DIMS,
+    build_tiny_model,
+    smollm2_135m,
+    tiny_model,
+)
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_TINY_ARCHS)
@@ -105,7 +111,7 @@ def test_plain_grpo_colocate_trains_and_weight_sync_follows_the_model(tmp_path):
     llm = trainer.vllm_generation.llm
     seq = list(range(5, 45))
 
-    def vllm_scores():
+    def vllm_scores(llm=llm):
         out = llm.generate([TokensPrompt(prompt_token_ids=seq)], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
         return torch.tensor([out.prompt_logprobs[t][seq[t]].logprob for t in range(1, len(seq))])
 

@@ -32,6 +32,7 @@ __all__ = [
     "build_llm",
     "engine_cache_root",
     "engine_info",
+    "fresh_rope_cache",
     "inductor_reduction_lanes",
     "profile_for_engine",
     "scoped_cache_root",
@@ -65,6 +66,31 @@ def scoped_cache_root(path: str | os.PathLike):
             os.environ.pop("VLLM_CACHE_ROOT", None)
         else:
             os.environ["VLLM_CACHE_ROOT"] = old
+
+
+def _rope_cache():
+    from vllm.model_executor.layers import rotary_embedding
+
+    return rotary_embedding._ROPE_DICT
+
+
+@contextlib.contextmanager
+def fresh_rope_cache():
+    """Hide vLLM's per-process `get_rope` cache for the duration (restored afterwards).
+
+    vLLM caches `RotaryEmbedding` instances by shape and parameters, not by configuration: without
+    this, an engine built after another one in the same process shares the first engine's RoPE
+    module and its dispatch (a compiled engine's `forward_native`, run eagerly by an eager engine).
+    """
+    cache = _rope_cache()
+    saved = dict(cache)
+    cache.clear()
+    try:
+        yield
+    finally:
+        cache.clear()
+        cache.update(saved)
+
 
 
 def build_llm(
@@ -109,7 +135,7 @@ def build_llm(
     root = engine_cache_root("-".join(t for t in (tag, cache_tag) if t))
     if max_model_len is not None:
         llm_kwargs["max_model_len"] = max_model_len
-    with scoped_cache_root(root):
+    with scoped_cache_root(root), fresh_rope_cache():
         llm = LLM(model=str(model), enforce_eager=enforce_eager, seed=seed, **llm_kwargs)
     llm._roundalign_cache_root = root
     return llm

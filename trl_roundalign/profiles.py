@@ -9,13 +9,18 @@ which owns the residual stream), plus `"attention"` (beyond the paper: the atten
 computed by the engine's own kernel). A *profile* says how each region rounds, mirroring one way
 the inference engine runs:
 
-| profile | RoPE | q/k-norm (Qwen3) | SwiGLU | RMSNorm output | residual stream | mean(s^2) order | attention |
-|---|---|---|---|---|---|---|---|
-| `none` | `r(r(x1 c) - r(x2 s))` | `r(w r(x̂))` | `r(r(silu g) u)` | `r(w r(x̂))` | `r(h+res)` each sublayer | torch | unchanged |
-| `vllm-compiled` | `r(x1 c - x2 s)` | fp32, fused into RoPE | `r(silu(g) u)` | `r(x̂ w)` | fp32 sum, never rounded | torch | unchanged |
-| `vllm-compiled-exact` | as `vllm-compiled` | as `vllm-compiled` | as `vllm-compiled` | `r(x̂ w)` | fp32 sum | Inductor CPU lanes | engine kernel |
-| `vllm-eager` (CUDA ops) | `r(x1 c - x2 s)` | `r(x̂ w)` then RoPE | `r(r(silu g) u)` | `r(x̂(r(s)) w)` | `r(h+res)` | torch | unchanged |
-| `vllm-eager-cpu` | `r(x1 c - x2 s)` | `r(w r(x̂))` then RoPE | `r(r(silu g) u)` | `r(w r(x̂))` | `r(h+res)` | torch | unchanged |
+| profile | RoPE | q/k-norm (Qwen3) | SwiGLU | RMSNorm output | residual stream | norm reads | mean(s^2) order | attention |
+|---|---|---|---|---|---|---|---|---|
+| `none` | `r(r(x1 c) - r(x2 s))` | `r(w r(x̂))` | `r(r(silu g) u)` | `r(w r(x̂))` | `r(h+res)` each sublayer | `r(s)` | torch | unchanged |
+| `vllm-compiled` | `r(x1 c - x2 s)` | fp32, fused into RoPE | `r(silu(g) u)` | `r(x̂ w)` | fp32 sum, never rounded | `s` | torch | unchanged |
+| `vllm-compiled-exact` | as `vllm-compiled` | as `vllm-compiled` | as `vllm-compiled` | `r(x̂ w)` | fp32 sum | `s` | Inductor CPU lanes | engine kernel |
+| `vllm-eager` (CUDA ops) | `r(x1 c - x2 s)` | `r(x̂ w)` then RoPE | `r(r(silu g) u)` | `r(x̂ w)` | `r(h+res)` | `r(s)` | torch | unchanged |
+| `vllm-eager-cpu` | `r(x1 c - x2 s)` | `r(w r(x̂))` then RoPE | `r(r(silu g) u)` | `r(w r(x̂))` | `r(h+res)` | `s` (fp32 sum) | torch | unchanged |
+
+"norm reads" is what the norm after a residual add normalises: the rounded residual `r(s)` or
+the fp32 sum `s = f(res) + f(h)` before it is rounded. vLLM-CPU's eager fused add+RMSNorm stores
+`r(s)` but normalises `s` (measured by `trl-roundalign probe`: 100% bit-identical at the model level
+with the engine's attention, versus 80% of outputs per op when the norm reads `r(s)`).
 
 `vllm-compiled` is vLLM V1's default (`torch.compile` + Inductor; measured on vLLM-CPU 0.31, read
 from source for GPU). `vllm-eager` holds the CUDA custom-op readings of vLLM 0.31/0.32 and
@@ -54,6 +59,7 @@ QkNormMode = Literal["hf", "round-once", "fp32-fused"]
 SwigluMode = Literal["hf", "fp32"]
 NormMode = Literal["hf", "fp32"]
 ResidualMode = Literal["round", "fp32"]
+NormReads = Literal["rounded", "sum"]
 ReductionMode = Literal["torch", "inductor-cpu"]
 AttentionMode = Literal["unchanged", "vllm-cpu"]
 
@@ -73,6 +79,9 @@ class Profile:
         residual: `"round"`: the residual is rounded after every sublayer (`r(h + res)`), and the
             variance is taken from the rounded sum; `"fp32"`: the residual stream is an fp32
             running sum that is never rounded.
+        norm_reads: with `residual="round"`, whether a norm after a residual add normalises the
+            rounded residual (`"rounded"`) or the fp32 sum before rounding (`"sum"`). With
+            `residual="fp32"` the sum is never rounded, so both read the same value.
         reduction: order of `sum(x^2)` inside RMSNorm. `"torch"`: whatever eager torch does (it
             differs from the engine on about 1e-5 of outputs); `"inductor-cpu"`: Inductor's C++
             order (lane-strided fp32 accumulation over `reduction_lanes` lanes, then a halving tree).
@@ -89,6 +98,7 @@ class Profile:
     swiglu: SwigluMode
     norm: NormMode
     residual: ResidualMode
+    norm_reads: NormReads = "rounded"
     reduction: ReductionMode = "torch"
     reduction_lanes: int = 32
     attention: AttentionMode = "unchanged"
@@ -146,7 +156,8 @@ PROFILES: dict[str, Profile] = {
             swiglu="hf",
             norm="hf",
             residual="round",
-            description="vLLM-CPU enforce_eager: C++ RoPE kernel, eager PyTorch SwiGLU and RMSNorm",
+            norm_reads="sum",
+            description="vLLM-CPU enforce_eager: C++ RoPE kernel, eager PyTorch SwiGLU and RMSNorm (norm of the fp32 sum)",
         ),
     )
 }

@@ -28,7 +28,14 @@ from . import __version__
 from ._compat import apply_vllm_cpu_weight_sync_fix, is_vllm_cpu
 from .callbacks import MismatchCallback
 from .config import RoundAlignGRPOConfig
-from .engine import engine_cache_root, engine_info, inductor_reduction_lanes, profile_for_engine, scoped_cache_root
+from .engine import (
+    engine_cache_root,
+    engine_info,
+    fresh_rope_cache,
+    inductor_reduction_lanes,
+    profile_for_engine,
+    scoped_cache_root,
+)
 from .optim import MasterWeightsOptimizer
 from .patching import apply_roundalign, get_patch_report
 
@@ -116,7 +123,8 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
             tag = "eager" if engine_kwargs.get("enforce_eager") else "compiled"
             if "VLLM_CACHE_ROOT" not in os.environ or is_vllm_cpu():
                 cache_ctx = scoped_cache_root(engine_cache_root(tag))
-        with cache_ctx, _engine_options(engine_kwargs if colocate else None):
+        rope_ctx = fresh_rope_cache() if colocate else contextlib.nullcontext()
+        with cache_ctx, rope_ctx, _engine_options(engine_kwargs if colocate else None):
             super().__init__(model, reward_funcs, args, *posargs, **kwargs)
 
         self.roundalign_engine = None

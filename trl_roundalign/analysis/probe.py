@@ -49,6 +49,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .. import ops
+from ..engine import fresh_rope_cache
 from ..profiles import ALL_REGIONS, PAPER_REGIONS
 
 logger = logging.getLogger(__name__)
@@ -129,6 +130,9 @@ class RegionResult:
         best: the best base profile (the verdict when it is among the best-scoring).
         exact_variant: label of a reduction-order variant that matches bit for bit, if any.
         warning: set when no profile reproduces the region bit for bit.
+        diagnostics: `{reading: match rate}` for readings no profile implements (checked when no
+            profile reproduces the region).
+        engine_computes: the diagnostic reading that reproduces the engine bit for bit, if any.
         skipped: reason the region could not be probed (then `results` is empty).
     """
 
@@ -140,6 +144,8 @@ class RegionResult:
     best: str | None = None
     exact_variant: str | None = None
     warning: str | None = None
+    diagnostics: dict[str, float] = field(default_factory=dict)
+    engine_computes: str | None = None
     skipped: str | None = None
 
 
@@ -219,10 +225,7 @@ class ProbeReport:
         raise KeyError(f"region {name!r} was not probed; probed: {[r.region for r in self.regions]}")
 
     def as_dict(self) -> dict:
-        d = asdict(self)
-        for r in d["regions"]:
-            r["results"] = {k: v for k, v in r["results"].items()}
-        return _jsonable(d)
+        return _jsonable(asdict(self))
 
 
 def _jsonable(x):
@@ -289,7 +292,9 @@ def _compare(
     rate = 1.0 - mismatches / elements if elements else 1.0
     exact = mismatches == 0
     tolerant = norm_region and lanes is None and rate >= NORM_MIN_MATCH and 0 <= max_ulp <= NORM_MAX_ULP
-    return ProfileMatch(label, profile, lanes, elements, mismatches, rate, max_ulp, one_ulp, per_output, exact, exact or tolerant)
+    return ProfileMatch(
+        label, profile, lanes, elements, mismatches, rate, max_ulp, one_ulp, per_output, exact, exact or tolerant
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -343,30 +348,6 @@ def _inductor_options(vllm_config) -> dict:
     return out
 
 
-def _rope_cache():
-    from vllm.model_executor.layers import rotary_embedding
-
-    return rotary_embedding._ROPE_DICT
-
-
-@contextlib.contextmanager
-def fresh_rope_cache():
-    """Hide vLLM's per-process `get_rope` cache for the duration (restored afterwards).
-
-    vLLM caches `RotaryEmbedding` instances by shape and parameters, not by configuration: without
-    this, an engine built after another one in the same process shares the first engine's RoPE
-    module and its dispatch (a compiled engine's `forward_native`, run eagerly by an eager engine).
-    """
-    cache = _rope_cache()
-    saved = dict(cache)
-    cache.clear()
-    try:
-        yield
-    finally:
-        cache.clear()
-        cache.update(saved)
-
-
 @dataclass
 class _Shapes:
     model_type: str
@@ -410,7 +391,7 @@ def _fresh_modules(vllm_config, shapes: _Shapes) -> dict[str, torch.nn.Module]:
     from vllm.model_executor.layers.layernorm import RMSNorm
     from vllm.model_executor.layers.rotary_embedding import get_rope
 
-    with set_current_vllm_config(vllm_config), fresh_rope_cache():
+    with set_current_vllm_config(vllm_config), fresh_rope_cache(), torch.device(_device()):
         mods: dict[str, torch.nn.Module] = {
             "norm": RMSNorm(shapes.hidden, eps=shapes.eps, dtype=torch.bfloat16),
             "act": SiluAndMul(),
@@ -463,8 +444,15 @@ def _method_name(module: torch.nn.Module) -> str:
 def _with_weight(module: torch.nn.Module, weight: torch.Tensor) -> torch.nn.Module:
     """A copy of a vLLM RMSNorm with `weight` (its dispatch is kept: the bound method follows the copy)."""
     m = copy.deepcopy(module)
-    m.weight.data = weight.clone()
+    m.weight.data = weight.to(m.weight.device).clone()
     return m
+
+
+def _device() -> torch.device:
+    """Where the engine's modules run: the accelerator on CUDA-like platforms, else the CPU."""
+    from vllm.platforms import current_platform
+
+    return torch.device("cuda") if current_platform.is_cuda_alike() else torch.device("cpu")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -481,6 +469,9 @@ class _Case:
     reference: Callable[[str, int | None], dict[str, torch.Tensor]]
     path: str
     shape: list[int]
+    # Readings no profile implements, `{name: (description, outputs)}`: named in the warning when one
+    # of them, and no profile, reproduces the engine.
+    diagnostics: Callable[[], dict[str, tuple[str, dict[str, torch.Tensor]]]] | None = None
 
 
 def _rand(gen: torch.Generator, *shape: int, scale: float = 2.0) -> torch.Tensor:
@@ -493,12 +484,14 @@ def _weight(gen: torch.Generator, n: int) -> torch.Tensor:
 
 def _hf_cos_sin(rope_module, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The engine's bf16 cos/sin table rows, in Hugging Face's layout (`[T, 1, rotary_dim]`, halves duplicated)."""
-    cache = rope_module.cos_sin_cache.to(torch.bfloat16)
+    cache = rope_module.cos_sin_cache.detach().cpu().to(torch.bfloat16)
     cos, sin = cache.index_select(0, positions).chunk(2, dim=-1)
     return torch.cat((cos, cos), -1)[:, None, :], torch.cat((sin, sin), -1)[:, None, :]
 
 
-def _build_cases(mods: dict[str, torch.nn.Module], shapes: _Shapes, rows: int, seed: int, compiled: bool) -> tuple[list[_Case], dict[str, str]]:
+def _build_cases(
+    mods: dict[str, torch.nn.Module], shapes: _Shapes, rows: int, seed: int, compiled: bool
+) -> tuple[list[_Case], dict[str, str]]:
     gen = torch.Generator().manual_seed(seed)
     skipped: dict[str, str] = {}
     cases: list[_Case] = []
@@ -536,8 +529,22 @@ def _build_cases(mods: dict[str, torch.nn.Module], shapes: _Shapes, rows: int, s
             out, new_res = ops.add_rms_norm(h, res, w, eps, profile=profile, backend="torch", reduction_lanes=lanes)
             return {"out": out, "residual": new_res}
 
+        def add_diagnostics(h=h, res=res, w=w2):
+            s = res.float() + h.float()  # the unrounded fp32 sum
+            xhat = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps)
+            out = (w.float() * xhat.to(torch.bfloat16).float()).to(torch.bfloat16)
+            return {
+                "hf-norm-of-fp32-sum": (
+                    "residual r(s), output r(f(w) * f(r(x̂(s)))) with x̂ taken from the UNROUNDED fp32 sum "
+                    "s = f(x) + f(residual)",
+                    {"out": out, "residual": s.to(torch.bfloat16)},
+                )
+            }
+
         path = f"{type(norm).__name__}.{_method_name(norm)}(x, residual) -> vllm.ir fused_add_rms_norm, {how}"
-        cases.append(_Case("add_rms_norm", add_engine, (h, res), (0, 1), add_ref, path, [T, H]))
+        cases.append(
+            _Case("add_rms_norm", add_engine, (h, res), (0, 1), add_ref, path, [T, H], diagnostics=add_diagnostics)
+        )
 
     # SwiGLU.
     act = mods.get("act")
@@ -567,7 +574,9 @@ def _build_cases(mods: dict[str, torch.nn.Module], shapes: _Shapes, rows: int, s
             f"{type(rope).__name__} is not a neox-style RoPE with a cos/sin cache: no reference for it"
         )
     elif rows > rope.cos_sin_cache.shape[0]:
-        skipped["rope"] = skipped["qk_norm_rope"] = f"rows={rows} exceeds the RoPE table ({rope.cos_sin_cache.shape[0]} positions)"
+        skipped["rope"] = skipped["qk_norm_rope"] = (
+            f"rows={rows} exceeds the RoPE table ({rope.cos_sin_cache.shape[0]} positions)"
+        )
     else:
         D, nq, nkv = shapes.head_dim, shapes.heads, shapes.kv_heads
         positions = torch.arange(T, dtype=torch.long)
@@ -639,18 +648,21 @@ def _engine_context(vllm_config, compiled: bool):
 
 
 def _run_engine_case(case: _Case, vllm_config, compiled: bool) -> dict[str, torch.Tensor]:
+    device = _device()
+    inputs = tuple(t.to(device).clone() for t in case.inputs)
     with _engine_context(vllm_config, compiled), torch.no_grad():
         if not compiled:
-            return case.engine_fn(*case.inputs)
-        backend = vllm_config.compilation_config.backend or "inductor"
-        if backend not in ("inductor", "eager", "aot_eager"):
-            backend = "inductor"
-        options = _inductor_options(vllm_config) if backend == "inductor" else None
-        fn = torch.compile(case.engine_fn, backend=backend, options=options, fullgraph=False)
-        inputs = tuple(t.clone() for t in case.inputs)
-        for i in case.dynamic:
-            torch._dynamo.mark_dynamic(inputs[i], 0)
-        return fn(*inputs)
+            out = case.engine_fn(*inputs)
+        else:
+            backend = vllm_config.compilation_config.backend or "inductor"
+            if backend not in ("inductor", "eager", "aot_eager"):
+                backend = "inductor"
+            options = _inductor_options(vllm_config) if backend == "inductor" else None
+            fn = torch.compile(case.engine_fn, backend=backend, options=options, fullgraph=False)
+            for i in case.dynamic:
+                torch._dynamo.mark_dynamic(inputs[i], 0)
+            out = fn(*inputs)
+    return {k: v.detach().cpu() for k, v in out.items()}
 
 
 def _score(m: ProfileMatch) -> tuple:
@@ -681,7 +693,7 @@ def probe_regions(
 
     Returns:
         `(results, context)`: per-region results and `{"source", "compiled", "inductor_options",
-        "warnings"}`.
+        "warnings", "vllm_config"}`.
     """
     if rows < 1:
         raise ValueError(f"rows must be at least 1, got {rows}.")
@@ -737,6 +749,12 @@ def probe_regions(
                 f"no profile reproduces the engine's {case.region} bit for bit (closest: {top.label}, "
                 f"{top.match_rate:.4%} identical{' (' + parts + ')' if parts else ''}, max {top.max_ulp} ulp)"
             )
+            for name, (description, outputs) in (case.diagnostics() if case.diagnostics else {}).items():
+                d = _compare(name, "", None, engine_out, outputs, norm_region=False)
+                res.diagnostics[name] = d.match_rate
+                if d.exact:
+                    res.engine_computes = description
+                    res.warning += f"; the engine computes: {description}"
         logger.info("probe %s: %.1fs, matching %s", case.region, time.perf_counter() - t0, res.matching)
         results.append(res)
     for region, why in skipped.items():
@@ -873,13 +891,15 @@ def _family(profile: str) -> str:
     return "vllm-compiled" if profile == "vllm-compiled-exact" else profile
 
 
-def _model_best(results: Sequence[ModelLevelResult]) -> tuple[str | None, str | None, bool]:
+def _model_best(results: Sequence[ModelLevelResult], prefer: str | None = None) -> tuple[str | None, str | None, bool]:
     """`(best base profile, bit-exact candidate, conclusive)`.
 
     Candidates are ranked among those with the engine's attention kernel when there are any (the
     attention kernel's own differences would otherwise dominate every comparison). A candidate that
     reproduces every token bit for bit decides (`conclusive`); otherwise the lowest k3 is only the
-    closest, and on tiny random models (near-uniform logits) that ranking is mostly noise.
+    closest, and on tiny random models (near-uniform logits) that ranking is mostly noise. Exact
+    ties (e.g. `vllm-eager` and `vllm-eager-cpu` on a model whose norm weights are all ones) go to
+    `prefer` (the per-region verdict).
     """
     engine_att = [r for r in results if r.attention == "engine"]
     pool = engine_att or list(results)
@@ -889,7 +909,7 @@ def _model_best(results: Sequence[ModelLevelResult]) -> tuple[str | None, str | 
     if exact:
         top = min(exact, key=lambda r: r.profile == "vllm-compiled-exact")  # prefer a base profile
         return _family(top.profile), top.candidate, True
-    top = min(pool, key=lambda r: (r.k3, -r.bit_identical))
+    top = min(pool, key=lambda r: (r.k3, -r.bit_identical, _family(r.profile) != prefer))
     return _family(top.profile), None, False
 
 
@@ -990,7 +1010,7 @@ def probe(
             seed=seed,
         )
         timings["model_level"] = time.perf_counter() - t2
-        best, exact_cand, conclusive = _model_best(report.model_level)
+        best, exact_cand, conclusive = _model_best(report.model_level, prefer=verdict)
         report.model_level_best, report.model_level_exact, report.model_level_conclusive = best, exact_cand, conclusive
         if not conclusive:
             report.warnings.append(
@@ -1047,7 +1067,9 @@ def format_report(report: ProbeReport) -> str:
     lines.append(fmt.format(*head))
     lines.append(fmt.format(*["-" * w for w in widths]))
     lines += [fmt.format(*row) for row in rows]
-    lines.append("  (100%: bit-identical; ~: RMSNorm within reduction-order noise, >=99.99% and <=1 ulp; @N: Inductor CPU order, N lanes)")
+    lines.append(
+        "  (100%: bit-identical; ~: RMSNorm within reduction-order noise, >=99.99% and <=1 ulp; @N: Inductor CPU order, N lanes)"
+    )
     lines.append("")
     for r in report.regions:
         if not r.skipped:
@@ -1076,14 +1098,18 @@ def format_report(report: ProbeReport) -> str:
         lines.append(fmt2.format(*["-" * w for w in widths2]))
         lines += [fmt2.format(*row) for row in rows2]
         if report.model_level_conclusive:
-            lines.append(f"reproduces the engine bit for bit: {report.model_level_exact} (profile {report.model_level_best})")
+            lines.append(
+                f"reproduces the engine bit for bit: {report.model_level_exact} (profile {report.model_level_best})"
+            )
         else:
             lines.append(f"no candidate is bit-identical; closest by k3: {report.model_level_best}")
         lines.append("")
-    verdict = report.profile or "none matches"
+    verdict = report.profile or "(no profile matches any region)"
     lines.append(f"profile: {verdict}" + ("" if report.profile_exact else " (not every region matches)"))
     if report.auto_profile is not None:
-        lines.append(f"profile='auto' picks: {report.auto_profile} ({'agrees' if report.agrees_with_auto else 'DISAGREES'})")
+        lines.append(
+            f"profile='auto' picks: {report.auto_profile} ({'agrees' if report.agrees_with_auto else 'DISAGREES'})"
+        )
     elif report.auto_error:
         lines.append(f"profile='auto' refuses this engine: {report.auto_error.splitlines()[0]}")
     for w in report.warnings:

