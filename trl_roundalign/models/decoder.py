@@ -97,17 +97,16 @@ def aligned_attention_forward(
     extra = {}
     if getattr(self, "sliding_window", None) is not None:
         extra["sliding_window"] = self.sliding_window
-    if "attention" in st.regions and past_key_values is None:
+    # The engine's kernel scores whole sequences; with earlier tokens in a KV cache (decoding) the
+    # model's own attention takes over.
+    full_forward = k.shape[-2] == q.shape[-2]
+    if "attention" in st.regions and full_forward:
         from ..ops.attention import hf_attention_interface
 
         attention_interface = hf_attention_interface
     else:
-        if "attention" in st.regions and not st.__dict__.get("_warned_cache"):
-            logger.warning(
-                "exact-mode attention covers full forwards (scoring and training); decoding with a KV "
-                "cache falls back to the model's %s attention", self.config._attn_implementation,
-            )
-            st.__dict__["_warned_cache"] = True
+        if "attention" in st.regions:
+            _warn_cached_decoding(self.config._attn_implementation)
         from transformers.models.llama.modeling_llama import eager_attention_forward
 
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
@@ -127,6 +126,20 @@ def aligned_attention_forward(
     attn_output = attn_output.reshape(*input_shape, -1).contiguous()
     attn_output = self.o_proj(attn_output)
     return attn_output, attn_weights
+
+
+_warned_cached_decoding = False
+
+
+def _warn_cached_decoding(impl: str) -> None:
+    global _warned_cached_decoding
+    if not _warned_cached_decoding:
+        logger.warning(
+            "exact-mode attention covers full forwards (scoring and training); decoding with earlier tokens in a KV "
+            "cache uses the model's %s attention",
+            impl,
+        )
+        _warned_cached_decoding = True
 
 
 # ----------------------------------------------------------------------------- MLP
