@@ -1,0 +1,311 @@
+"""A whole GRPO step with a colocated vLLM engine, with and without alignment and the mismatch callback.
+
+Four trainers (`RoundAlignGRPOTrainer`, vLLM colocate), one after another in this process, same seed and data:
+
+| condition | `roundalign_regions` | `log_mismatch` |
+|---|---|---|
+| `bf16_default` | `[]` | off / on |
+| `three_region` | `[rope, swiglu, rmsnorm]` (profile `auto`, backend automatic) | off / on |
+
+Each runs `--warmup` untimed steps then `--steps` timed ones. A step is the time from one `on_step_begin` to the
+next (the last one: to `on_train_end`): generation in vLLM, rewards, the scoring forward, forward + backward,
+the optimizer, the callbacks and the logging. Step times vary with what vLLM samples (completion lengths), so
+the callback's cost is also measured directly: every `MismatchCallback` hook and `record` call is timed, and
+the table reports that time per step and its share of the step. The callback computes no log-probs of its
+own: it reuses the training log-probs `_compute_loss` already has.
+
+Model: on a CPU, SmolLM2-135M-Instruct (offline, `trl_roundalign.local_models.smollm2_135m`) on the packaged
+arithmetic prompts, as `recipes/cpu/smollm2_arithmetic.yaml`; on a GPU (needs CUDA vLLM), a Qwen3 with the
+Qwen3-1.7B widths and 4 layers, random weights, the tiny tokenizer. `--quick`: a tiny Qwen3, one step, vLLM with
+`enforce_eager=True` (starts in about a second).
+
+Usage: `python bench/bench_step.py [--model smollm2-135m] [--steps 3] [--warmup 1] [--quick] [--out DIR]`.
+Results: a table on stdout and `bench_step.json`/`.csv` appended under `--out` (default bench/results/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CONDITIONS = {
+    "bf16_default": [],
+    "three_region": ["rope", "swiglu", "rmsnorm"],
+}
+
+
+def set_environment() -> None:
+    """In-process vLLM with a 1 GiB KV cache, offline, every cache under the repository's `.cache/`."""
+    cache = ROOT / ".cache"
+    defaults = {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CACHE_ROOT": str(cache / "vllm"),
+        "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
+        "TRL_ROUNDALIGN_CACHE": str(cache / "models"),
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    for key, value in defaults.items():
+        os.environ.setdefault(key, value)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="smollm2-135m (CPU default), qwen3-1.7b-4l (GPU default), tiny-qwen3 (--quick), or a checkpoint folder",
+    )
+    p.add_argument("--steps", type=int, default=None, help="timed steps per condition (default 3; --quick 1)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 1; --quick 0)")
+    p.add_argument("--conditions", default="bf16_default,three_region")
+    p.add_argument("--log-mismatch", default="off,on", help="callback settings to run: off,on")
+    p.add_argument("--batch", type=int, default=8, help="completions per step (per_device_train_batch_size)")
+    p.add_argument("--num-generations", type=int, default=4)
+    p.add_argument("--max-completion-length", type=int, default=32)
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU: torch threads, set before vLLM starts (default 1: see bench/harness.py; vLLM then keeps it)",
+    )
+    p.add_argument("--enforce-eager", action="store_true", help="vLLM enforce_eager=True (fast start, eager rounding)")
+    p.add_argument("--quick", action="store_true", help="smoke test: tiny Qwen3, 1 step, enforce_eager")
+    p.add_argument("--out", default=None, help="folder for bench_step.json/.csv (default bench/results)")
+    p.add_argument("--no-save", action="store_true")
+    return p.parse_args(argv)
+
+
+class StepTimer:
+    """A TrainerCallback factory that records wall and process CPU time at every step boundary."""
+
+    def __init__(self):
+        self.begins: list[tuple[float, float]] = []
+        self.end: tuple[float, float] | None = None
+
+    def callback(self):
+        from transformers import TrainerCallback
+
+        timer = self
+
+        class _Timer(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kwargs):
+                timer.begins.append((time.perf_counter(), time.process_time()))
+
+            def on_train_end(self, args, state, control, **kwargs):
+                timer.end = (time.perf_counter(), time.process_time())
+
+        return _Timer()
+
+    def steps(self) -> list[tuple[float, float]]:
+        marks = self.begins + ([self.end] if self.end else [])
+        return [(b[0] - a[0], b[1] - a[1]) for a, b in zip(marks, marks[1:])]
+
+
+def time_callback(cb) -> dict[str, float]:
+    """Wrap the MismatchCallback's hooks and `record` with wall-clock accumulators (per step in `per_step`)."""
+    spent = {"total": 0.0}
+
+    def wrap(name):
+        fn = getattr(cb, name)
+
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent["total"] += time.perf_counter() - t0
+
+        setattr(cb, name, timed)
+
+    for name in ("record", "on_train_begin", "on_step_end", "on_log", "on_step_begin"):
+        if hasattr(cb, name):
+            wrap(name)
+    return spent
+
+
+def resolve_model(name: str | None, quick: bool, on_gpu: bool) -> tuple[str, str]:
+    from trl_roundalign.local_models import resolve_model as resolve_offline
+    from trl_roundalign.local_models import tiny_model
+
+    if name is None:
+        name = "tiny-qwen3" if quick else ("qwen3-1.7b-4l" if on_gpu else "smollm2-135m")
+    if name == "qwen3-1.7b-4l":
+        path = tiny_model(
+            "qwen3", hidden_size=2048, intermediate_size=6144, num_attention_heads=16, num_key_value_heads=8,
+            head_dim=128, num_hidden_layers=4,
+        )  # fmt: skip
+        return name, str(path)
+    return name, resolve_offline(name)
+
+
+def run_condition(model_path: str, condition: str, log_mismatch: bool, args, on_gpu: bool, out_dir: str) -> dict:
+    from trl_roundalign import RoundAlignGRPOConfig, RoundAlignGRPOTrainer
+    from trl_roundalign.data import arithmetic_dataset
+    from trl_roundalign.rewards import arithmetic_reward
+
+    total_steps = args.warmup + args.steps
+    config = RoundAlignGRPOConfig(
+        output_dir=out_dir,
+        max_steps=total_steps,
+        per_device_train_batch_size=args.batch,
+        num_generations=args.num_generations,
+        max_completion_length=args.max_completion_length,
+        temperature=1.0,
+        use_vllm=True,
+        vllm_mode="colocate",
+        vllm_gpu_memory_utilization=0.3,
+        vllm_max_model_length=512,
+        vllm_engine_kwargs={"enforce_eager": True} if args.enforce_eager else None,
+        roundalign_regions=CONDITIONS[condition],
+        roundalign_profile="auto",
+        log_mismatch=log_mismatch,
+        loss_type="grpo",
+        beta=0.0,
+        learning_rate=1e-5,
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        gradient_checkpointing=False,
+        bf16=True,
+        use_cpu=not on_gpu,
+        seed=0,
+        disable_tqdm=True,
+    )
+    timer = StepTimer()
+    t0 = time.perf_counter()
+    trainer = RoundAlignGRPOTrainer(
+        model=model_path,
+        reward_funcs=arithmetic_reward,
+        args=config,
+        train_dataset=arithmetic_dataset(f"train[:{max(64, total_steps * args.batch)}]"),
+        callbacks=[timer.callback()],
+    )
+    init_s = time.perf_counter() - t0
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    for cb in (PrinterCallback, ProgressCallback):  # keep stdout for the table
+        trainer.remove_callback(cb)
+    spent = time_callback(trainer._mismatch_callback) if trainer._mismatch_callback is not None else None
+    trainer.train()
+    steps = timer.steps()[args.warmup :]
+    wall = [s[0] for s in steps]
+    cpu = [s[1] for s in steps]
+    history = [h for h in trainer.state.log_history if "loss" in h]
+    completion_len = [
+        h.get("completions/mean_length") for h in history[args.warmup :] if "completions/mean_length" in h
+    ]
+    # Only the timed steps' share of the callback time: the hooks run once per step, so scale by steps/total.
+    cb_total = spent["total"] if spent is not None else None
+    cb_per_step = cb_total / total_steps if cb_total is not None else None
+    row = {
+        "condition": condition,
+        "profile": trainer.roundalign_profile,
+        "log_mismatch": "on" if log_mismatch else "off",
+        "steps": len(wall),
+        "step_s": round(statistics.median(wall), 3) if wall else None,
+        "step_min_s": round(min(wall), 3) if wall else None,
+        "step_max_s": round(max(wall), 3) if wall else None,
+        "step_cpu_s": round(statistics.median(cpu), 3) if cpu else None,
+        "completion_len": round(statistics.mean(completion_len), 1) if completion_len else None,
+        "callback_ms_per_step": round(1e3 * cb_per_step, 3) if cb_per_step is not None else None,
+        "callback_pct_of_step": (
+            round(100 * cb_per_step / statistics.median(wall), 4) if cb_per_step is not None and wall else None
+        ),
+        "init_s": round(init_s, 1),
+    }
+    kl = [h.get("mismatch/kl_k3") for h in history if "mismatch/kl_k3" in h]
+    if kl:
+        row["kl_k3_last"] = kl[-1]
+    del trainer
+    gc.collect()
+    return row
+
+
+COLUMNS = [
+    ("condition", "condition"),
+    ("profile", "profile"),
+    ("log_mismatch", "callback"),
+    ("steps", "steps"),
+    ("step_s", "step s (median)"),
+    ("step_min_s", "min"),
+    ("step_max_s", "max"),
+    ("step_cpu_s", "CPU s"),
+    ("completion_len", "completion len"),
+    ("callback_ms_per_step", "callback ms/step"),
+    ("callback_pct_of_step", "callback % of step"),
+    ("init_s", "init s"),
+]
+
+
+def main(argv=None) -> int:
+    set_environment()
+    args = parse_args(argv)
+    if args.quick:
+        args.steps = args.steps or 1
+        args.warmup = 0 if args.warmup is None else args.warmup
+        args.enforce_eager = True
+        args.batch, args.max_completion_length = 4, 8
+    args.steps = args.steps or 3
+    args.warmup = 1 if args.warmup is None else args.warmup
+    logging.basicConfig(level=logging.WARNING)
+
+    import torch
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import harness
+
+    dev = harness.device()
+    on_gpu = dev.type == "cuda"
+    thread_note = harness.set_cpu_threads(args.threads, dev)
+    name, model_path = resolve_model(args.model, args.quick, on_gpu)
+    env = harness.environment(dev)
+    print(f"# bench_step: {name} ({model_path}), device {env['device']}")
+    print(f"# torch {env['torch']}, vllm {env['vllm']}, trl {env['trl']}, commit {env['commit']}")
+    if thread_note:
+        print(f"# {thread_note}")
+    rows = []
+    conditions = [c for c in args.conditions.split(",") if c]
+    callbacks = [{"off": False, "on": True}[c] for c in args.log_mismatch.split(",") if c]
+    with tempfile.TemporaryDirectory(prefix="bench_step-") as tmp:
+        for condition in conditions:
+            for log_mismatch in callbacks:
+                print(f"# running {condition}, callback {'on' if log_mismatch else 'off'} ...", flush=True)
+                out_dir = os.path.join(tmp, f"{condition}-{int(log_mismatch)}")
+                rows.append(run_condition(model_path, condition, log_mismatch, args, on_gpu, out_dir))
+                torch.manual_seed(0)
+    for r in rows:
+        r.update(model=name, batch=args.batch, max_completion_length=args.max_completion_length)
+    print()
+    print(harness.format_table(rows, COLUMNS))
+    print(
+        f"# {args.batch} completions ({args.num_generations} per prompt, <= {args.max_completion_length} tokens) per "
+        f"step; {args.warmup} warm-up step(s) then {args.steps} timed; step = on_step_begin to the next (wall clock); "
+        "callback = time inside MismatchCallback's hooks and record() per step"
+    )
+    if not args.no_save:
+        settings = {k: v for k, v in vars(args).items() if k not in ("out", "no_save")}
+        paths = harness.append_results("bench_step", env, {**settings, "model": name}, rows, args.out)
+        print(f"# appended to {paths['json']} and {paths['csv']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
