@@ -225,10 +225,13 @@ def test_cpu_demo_recipe():
 
 def test_accelerate_configs():
     names = {p.stem for p in ACCELERATE.glob("*.yaml")}
-    assert {"ddp", "zero2", "zero3", "fsdp2"} <= names
+    assert {"ddp", "zero2", "zero3", "fsdp2", "cpu"} <= names
     for name in names:
         cfg = load(ACCELERATE / f"{name}.yaml")
         assert cfg["mixed_precision"] == "bf16", name
+        if name == "cpu":  # the CPU demo and tests: one process, no GPU (vLLM-CPU colocated)
+            assert cfg["num_processes"] == 1 and cfg["use_cpu"] is True and cfg["distributed_type"] == "NO"
+            continue
         assert cfg["num_processes"] == 8 and cfg["num_machines"] == 1, name
     assert load(ACCELERATE / "ddp.yaml")["distributed_type"] == "MULTI_GPU"
     for name, stage in (("zero2", 2), ("zero3", 3)):
@@ -309,3 +312,44 @@ def test_recipe_parses_with_trl_parser(path):
         assert training_args.cast_lm_head_to_fp32 is True
     expected_dtype = (cfg.get("model_init_kwargs") or {}).get("dtype", "bfloat16")
     assert training_args.model_init_kwargs["dtype"] == expected_dtype == cfg["dtype"]
+
+
+# ------------------------------------------------------------------------------------------------
+# recipes/grpo.py's own parsing: `--condition <name>` on top of a recipe agrees with the recipe
+
+
+def _grpo_script():
+    spec = importlib.util.spec_from_file_location("roundalign_recipes_grpo_for_recipes", RECIPES / "grpo.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_CONDITION_FIELDS = (
+    "roundalign_regions",
+    "vllm_importance_sampling_correction",
+    "cast_lm_head_to_fp32",
+    "bf16",
+    "fp16",
+    "vllm_engine_kwargs",
+    "model_init_kwargs",
+)
+
+
+@pytest.mark.parametrize("path", grpo_recipes(), ids=_rel)
+def test_condition_shortcut_matches_the_recipe(path):
+    """`recipes/grpo.py --config X --condition C` sets what the recipe for C sets (and a recipe is its own C)."""
+    grpo = _grpo_script()
+    cond = condition_of(path)
+    _, plain, plain_model = grpo.parse_args(["--config", str(path)])
+    _, shortcut, shortcut_model = grpo.parse_args(["--config", str(path), "--condition", cond])
+    for name in _CONDITION_FIELDS:
+        assert getattr(shortcut, name) == getattr(plain, name), f"{_rel(path)}: --condition {cond} changes {name}"
+    if plain.vllm_importance_sampling_correction:
+        assert shortcut.vllm_importance_sampling_mode == plain.vllm_importance_sampling_mode
+    assert grpo.model_init_kwargs(shortcut, shortcut_model) == grpo.model_init_kwargs(plain, plain_model)
+    # and the same condition applied to the baseline recipe of the same model gives the same options
+    base = path.with_name("config_bf16_default.yaml")
+    _, from_base, _ = grpo.parse_args(["--config", str(base), "--condition", cond])
+    for name in _CONDITION_FIELDS:
+        assert getattr(from_base, name) == getattr(plain, name), f"{_rel(base)} --condition {cond}: {name}"
