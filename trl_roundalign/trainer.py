@@ -117,6 +117,19 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
 
         engine_kwargs = dict(args.vllm_engine_kwargs or {})
         colocate = args.use_vllm and args.vllm_mode == "colocate"
+        if args.cast_lm_head_to_fp32 and args.use_vllm:
+            if colocate:
+                # Both sides or neither: TRL casts only the trainer's head; vLLM's is set by hf_overrides.
+                overrides = dict(engine_kwargs.get("hf_overrides") or {})
+                overrides.setdefault("head_dtype", "float32")
+                engine_kwargs["hf_overrides"] = overrides
+            else:
+                warnings.warn(
+                    "cast_lm_head_to_fp32=True casts the trainer's lm head only; start the vLLM server with "
+                    "--hf-overrides '{\"head_dtype\": \"float32\"}' so both sides compute fp32 logits.",
+                    UserWarning,
+                    stacklevel=2,
+                )
         cache_ctx = contextlib.nullcontext()
         if colocate:
             apply_vllm_cpu_weight_sync_fix()
@@ -281,15 +294,19 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ optimizer
 
+    def _has_low_precision_params(self) -> bool:
+        return any(p.dtype in (torch.bfloat16, torch.float16) for p in self.model.parameters() if p.requires_grad)
+
     def _uses_master_weights(self) -> bool:
-        trainable = [p for p in self.model.parameters() if p.requires_grad]
-        low = bool(trainable) and all(p.dtype in (torch.bfloat16, torch.float16) for p in trainable)
-        return low and not _distributed_keeps_fp32_masters(self.args) and self.args.roundalign_fp32_master_weights
+        return (
+            self._has_low_precision_params()
+            and not _distributed_keeps_fp32_masters(self.args)
+            and self.args.roundalign_fp32_master_weights
+        )
 
     def create_optimizer(self, model=None):
         optimizer = super().create_optimizer(model) if "model" in inspect.signature(super().create_optimizer).parameters else super().create_optimizer()
-        trainable = [p for p in self.model.parameters() if p.requires_grad]
-        low = bool(trainable) and all(p.dtype in (torch.bfloat16, torch.float16) for p in trainable)
+        low = self._has_low_precision_params()
         if not low or _distributed_keeps_fp32_masters(self.args) or isinstance(optimizer, MasterWeightsOptimizer):
             return optimizer
         if not self.args.roundalign_fp32_master_weights:

@@ -167,3 +167,16 @@ def test_regions_none_and_exact_from_config(tmp_path):
 def test_mismatch_jsonl_path_default_and_override(tmp_path):
     cfg = make_config(tmp_path, mismatch_log_file=str(tmp_path / "x" / "m.jsonl"))
     assert Path(cfg.mismatch_log_file).name == "m.jsonl"
+
+
+def test_fp32_lm_head_on_both_sides(tmp_path):
+    args = make_config(tmp_path, max_steps=1, cast_lm_head_to_fp32=True, roundalign_regions=[])
+    trainer = RoundAlignGRPOTrainer(
+        model=str(tiny_model("llama")), reward_funcs=varied_reward, args=args, train_dataset=arithmetic_dataset("train[:8]")
+    )
+    assert trainer.vllm_generation.llm.llm_engine.model_config.head_dtype == torch.float32
+    assert trainer.model.lm_head.weight.dtype == torch.float32
+    before = trainer.model.lm_head.weight.detach().clone()
+    trainer.train()
+    assert not torch.equal(before, trainer.model.lm_head.weight), "the fp32 head is its own master and must train"
+    _free(trainer)
