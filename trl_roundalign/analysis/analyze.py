@@ -37,7 +37,7 @@ from .compare import Comparison, build_conditions, compare_with_engine, completi
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["analyze", "load_prompts", "run_analyze_cli", "write_report"]
+__all__ = ["analyze", "load_prompts", "read_prompts", "run_analyze_cli", "tokenize_prompts", "write_report"]
 
 _TABLE_KEYS = (
     ("k3 vs prefill", "vs_prefill", "mismatch/kl_k3"),
@@ -48,16 +48,15 @@ _TABLE_KEYS = (
 )
 
 
-def load_prompts(source: str | None, tokenizer, *, column: str = "prompt", split: str = "train", n: int = 8, seed: int = 0) -> list[list[int]]:
-    """Prompts as token ids: chat messages get the chat template (with the generation prompt).
+def read_prompts(source: str | None, *, column: str = "prompt", split: str = "train", n: int = 8, seed: int = 0) -> list:
+    """The prompt column of `n` rows (a seeded shuffle), validated before any engine starts.
 
     Args:
         source: a local `.jsonl`/`.json`/`.parquet` file, a `datasets` name, or None for the packaged
             arithmetic prompts.
-        tokenizer: the model's tokenizer.
         column: the prompt column (text or a list of `{"role", "content"}` messages).
         split: dataset split for `datasets` names.
-        n: number of prompts (taken after a seeded shuffle).
+        n: number of prompts.
         seed: shuffle seed.
 
     Raises:
@@ -77,11 +76,13 @@ def load_prompts(source: str | None, tokenizer, *, column: str = "prompt", split
         if suffix in (".jsonl", ".json", ".parquet"):
             if not Path(source).exists():
                 raise FileNotFoundError(f"Prompt file {source} does not exist.")
+            if Path(source).stat().st_size == 0:
+                raise ValueError(f"The prompt file {source} is empty.")
             builder = "parquet" if suffix == ".parquet" else "json"
             try:
                 ds = datasets.load_dataset(builder, data_files=source, split="train")
-            except Exception as exc:  # datasets raises many types for unreadable/empty files
-                raise ValueError(f"Cannot read prompts from {source}: {exc}") from None
+            except Exception as exc:  # datasets raises many types for unreadable files
+                raise ValueError(f"Cannot read prompts from {source}: {str(exc).splitlines()[0]}") from None
         elif Path(source).exists():
             raise ValueError(f"{source}: prompt files must be .jsonl, .json or .parquet.")
         else:
@@ -90,22 +91,32 @@ def load_prompts(source: str | None, tokenizer, *, column: str = "prompt", split
         raise ValueError(f"The prompt set {source or 'arithmetic'} is empty.")
     if column not in ds.column_names:
         raise ValueError(f"Prompt column {column!r} not found; columns: {', '.join(ds.column_names)} (use --prompt-column).")
-    ds = ds.shuffle(seed=seed).select(range(min(n, len(ds))))
+    rows = ds.shuffle(seed=seed).select(range(min(n, len(ds))))[column]
+    for p in rows:
+        if not isinstance(p, (str, list)):
+            raise ValueError(f"Prompt column {column!r} holds {type(p).__name__}; expected text or chat messages.")
+    return rows
+
+
+def tokenize_prompts(prompts: list, tokenizer) -> list[list[int]]:
+    """Token ids of each prompt: chat messages get the chat template with the generation prompt."""
     out = []
-    for row in ds:
-        p = row[column]
+    for p in prompts:
         if isinstance(p, list):
             ids = tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True)
             if not isinstance(ids, list):
                 ids = ids["input_ids"]
-        elif isinstance(p, str):
-            ids = tokenizer.encode(p, add_special_tokens=True)
         else:
-            raise ValueError(f"Prompt column {column!r} holds {type(p).__name__}; expected text or chat messages.")
+            ids = tokenizer.encode(p, add_special_tokens=True)
         if not ids:
             raise ValueError("A prompt tokenised to zero tokens.")
         out.append(list(ids))
     return out
+
+
+def load_prompts(source: str | None, tokenizer, *, column: str = "prompt", split: str = "train", n: int = 8, seed: int = 0) -> list[list[int]]:
+    """`read_prompts` then `tokenize_prompts`."""
+    return tokenize_prompts(read_prompts(source, column=column, split=split, n=n, seed=seed), tokenizer)
 
 
 def analyze(
@@ -139,6 +150,7 @@ def analyze(
         raise ValueError(f"--max-new-tokens must be at least 1, got {max_new_tokens}.")
     model_path = resolve_model(model)
     _check_architecture(model_path)
+    rows = read_prompts(prompts, column=prompt_column, split=split, n=num_prompts, seed=seed)
     if llm is None:
         llm = build_llm(model_path, seed=seed, **(engine_kwargs or {}))
     info = engine_info(llm)
@@ -148,7 +160,7 @@ def analyze(
     else:
         use_exact = exact == "on"
     conds = build_conditions(conditions, resolved, exact=use_exact)
-    prompt_ids = load_prompts(prompts, llm.get_tokenizer(), column=prompt_column, split=split, n=num_prompts, seed=seed)
+    prompt_ids = tokenize_prompts(rows, llm.get_tokenizer())
     comp = compare_with_engine(
         model_path,
         llm,

@@ -1,0 +1,121 @@
+"""`trl-roundalign analyze`: the static mismatch analysis on real engines, its report files, and bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from trl_roundalign.analysis.analyze import analyze
+from trl_roundalign.local_models import smollm2_135m, tiny_model
+from trl_roundalign.metrics import METRIC_KEYS
+
+FILES = ("summary.md", "summary.json", "per_token.csv", "kl_by_condition.png", "abs_logp_diff_cdf.png", "prob_scatter.png")
+
+
+def check_report(out, summary, *, names):
+    for f in FILES:
+        assert (out / f).stat().st_size > 0, f
+    on_disk = json.loads((out / "summary.json").read_text())
+    assert on_disk["model"] == summary["model"]
+    # The documented fields (trl_roundalign/analysis/analyze.py docstring).
+    assert {"model", "engine", "profile", "settings", "conditions", "contributions", "floors", "tokens"} <= set(on_disk)
+    assert [c["name"] for c in on_disk["conditions"]] == names
+    for c in on_disk["conditions"]:
+        assert set(c) >= {"name", "regions", "profile", "vs_prefill", "vs_sampler"}
+        assert set(c["vs_prefill"]) == set(METRIC_KEYS) == set(c["vs_sampler"])
+    assert set(on_disk["floors"]) == {"sampler_vs_prefill", "single_vs_batched_prefill"}
+    assert set(on_disk["contributions"]) == {"rope", "swiglu", "rmsnorm"}
+    rows = (out / "per_token.csv").read_text().splitlines()
+    assert rows[0].startswith("sequence,prompt_index,position,token_id,vllm_sampler,vllm_prefill,train_")
+    assert len(rows) - 1 == on_disk["tokens"]
+    return on_disk
+
+
+def k3(summary, name, side="vs_prefill"):
+    return next(c for c in summary["conditions"] if c["name"] == name)[side]["mismatch/kl_k3"]
+
+
+@pytest.mark.vllm
+def test_analyze_tiny_qwen3_regions(tmp_path, engines):
+    path = tiny_model("qwen3")
+    summary = analyze(
+        str(path), num_prompts=3, samples_per_prompt=2, max_new_tokens=32, conditions="regions",
+        output_dir=tmp_path, progress=False, llm=engines(path),
+    )
+    names = ["bf16_default", "rope_only", "swiglu", "rmsnorm", "three_region", "exact"]
+    on_disk = check_report(tmp_path, summary, names=names)
+    assert on_disk["profile"] == "vllm-compiled" and on_disk["engine"]["compiled"]
+    assert k3(on_disk, "three_region") < k3(on_disk, "bf16_default")
+    assert k3(on_disk, "exact") == 0.0
+    # Contributions are differences of the k3 column (alone: default - region).
+    alone = {c["regions"][0]: c["name"] for c in on_disk["conditions"] if len(c["regions"]) == 1}
+    for r in ("rope", "swiglu", "rmsnorm"):
+        assert on_disk["contributions"][r]["alone"] == pytest.approx(k3(on_disk, "bf16_default") - k3(on_disk, alone[r]))
+        assert on_disk["contributions"][r]["removal"] is None  # the pairs without a region were not run
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_analyze_smollm2_paper_conditions(tmp_path, engines):
+    path = smollm2_135m()
+    summary = analyze(
+        "smollm2-135m", num_prompts=3, samples_per_prompt=2, max_new_tokens=40, conditions="paper",
+        output_dir=tmp_path, progress=False, llm=engines(path),
+    )
+    on_disk = check_report(tmp_path, summary, names=["bf16_default", "rope_only", "three_region", "exact"])
+    assert k3(on_disk, "three_region") < k3(on_disk, "bf16_default")
+    assert k3(on_disk, "exact") == 0.0
+    floor = on_disk["floors"]["sampler_vs_prefill"]["mismatch/kl_k3"]
+    assert math.isfinite(floor) and floor >= 0
+    # Against the sampler, the exact mode sits exactly on the engine's own floor.
+    assert k3(on_disk, "exact", "vs_sampler") == pytest.approx(floor, rel=1e-9, abs=1e-15)
+
+
+def test_contributions_can_be_negative():
+    from trl_roundalign.analysis.compare import build_conditions, region_contributions
+
+    conds = build_conditions("all", "vllm-compiled")
+    assert len(conds) == 8
+    k3s = {"bf16_default": 1.0, "rope_only": 0.8, "swiglu": 1.2, "rmsnorm": 0.7, "rope+swiglu": 0.9,
+           "rope+rmsnorm": 0.5, "swiglu+rmsnorm": 0.75, "three_region": 0.55}  # fmt: skip
+    stats = {name: {"vs_prefill": {"mismatch/kl_k3": v}} for name, v in k3s.items()}
+    contrib = region_contributions(stats, conds)
+    assert contrib["swiglu"]["alone"] == pytest.approx(-0.2)
+    assert contrib["swiglu"]["removal"] == pytest.approx(0.5 - 0.55)
+    assert contrib["rope"]["removal"] == pytest.approx(0.75 - 0.55)
+
+
+def run_cli(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "trl_roundalign.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def assert_one_line_error(proc, pattern):
+    assert proc.returncode != 0
+    err = [ln for ln in proc.stderr.splitlines() if ln.startswith("trl-roundalign: error:")]
+    assert len(err) == 1, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    import re
+
+    assert re.search(pattern, err[0]), err[0]
+
+
+def test_cli_bad_input(tmp_path):
+    tiny = str(tiny_model("qwen3"))
+    assert_one_line_error(run_cli("analyze", str(tmp_path / "missing-model")), "does not exist")
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    assert_one_line_error(run_cli("analyze", str(gpt2)), "Unsupported model_type 'gpt2'")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert_one_line_error(run_cli("analyze", tiny, "--prompts", str(empty)), "empty")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"question": "What is 1 plus 1?"}\n')
+    assert_one_line_error(run_cli("analyze", tiny, "--prompts", str(prompts)), "Prompt column 'prompt' not found.*question")
+    assert_one_line_error(run_cli("analyze", tiny, "--samples-per-prompt", "0"), "at least 1")
+    assert_one_line_error(run_cli("analyze", tiny, "--num-prompts", "0"), "at least 1")
+    assert_one_line_error(run_cli("analyze", tiny, "--profile", "fast"), "known profiles")
