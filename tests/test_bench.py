@@ -10,13 +10,13 @@ from __future__ import annotations
 import csv
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from _env import subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
@@ -30,7 +30,7 @@ ON_GPU = torch.cuda.is_available()
 
 
 def _env(interpret: bool = False) -> dict:
-    env = dict(os.environ)
+    env = subprocess_env()
     env.pop("TRITON_INTERPRET", None)
     if interpret:
         env["TRITON_INTERPRET"] = "1"

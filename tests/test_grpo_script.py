@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _env import subprocess_env
 
 from trl_roundalign.profiles import PAPER_CONDITIONS
 
@@ -178,6 +179,7 @@ def test_bad_input_from_the_command_line_has_no_traceback():
     proc = subprocess.run(
         [sys.executable, "recipes/grpo.py", "--config", str(CPU_RECIPE.relative_to(ROOT)), "--condition", "nope"],
         cwd=ROOT,
+        env=subprocess_env(),
         capture_output=True,
         text=True,
         timeout=300,
@@ -250,7 +252,7 @@ def test_cpu_recipe_two_steps_through_accelerate_launch(tmp_path):
         "recipes/grpo.py", "--config", str(CPU_RECIPE), "--max_steps", "2", "--output_dir", str(out),
         "--save_final_model", "false",
     ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1500)
+    proc = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "log_history.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "mismatch/kl_k3" in r]
@@ -276,7 +278,7 @@ def test_eval_aime_on_a_tiny_model(tmp_path):
         sys.executable, "recipes/eval_aime.py", "tiny-qwen3", "--dataset", str(data), "--num-samples", "3",
         "--max-tokens", "8", "--max-model-len", "512", "--enforce-eager", "--output", str(out),
     ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["num_problems"] == 2 and report["num_samples"] == 3

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _env import subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "quick_experiment.ipynb"
@@ -48,5 +49,5 @@ def test_notebook_runs_in_smoke_mode():
         sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbmake", "--nbmake-timeout=1500",
         str(NOTEBOOK.relative_to(ROOT)),
     ]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-2000:]

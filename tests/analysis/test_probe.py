@@ -14,6 +14,7 @@ import sys
 
 import pytest
 import torch
+from _env import subprocess_env
 
 from trl_roundalign.analysis.probe import (
     BASE_PROFILES,
@@ -247,7 +248,7 @@ def _cli(*argv: str, timeout: int = 300) -> subprocess.CompletedProcess:
         capture_output=True,
         text=True,
         cwd=ROOT,
-        env=dict(os.environ),
+        env=subprocess_env(),
         timeout=timeout,
     )
 

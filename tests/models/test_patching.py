@@ -210,3 +210,46 @@ def test_default_reduction_lanes_follow_the_engines_reading():
     ]
     assert default_reduction_lanes(2, False) == [32, 32, 32, 16, 32]
     assert default_reduction_lanes(2, True) == [32, 32, 32, 32, 32, 32, 32, 16, 32]
+
+
+def test_mistral_shares_the_structure():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    cfg = MistralConfig(
+        vocab_size=300, hidden_size=96, intermediate_size=200, num_hidden_layers=2, num_attention_heads=3,
+        num_key_value_heads=1, head_dim=32, max_position_embeddings=256, sliding_window=None,
+    )
+    model = MistralForCausalLM(cfg).to(torch.bfloat16)
+    ids, _ = batch(vocab=300)
+    before = logits(model, ids)
+    report = apply_roundalign(model, PAPER_REGIONS)
+    assert report.model_type == "mistral" and len(report.modules("rmsnorm")) == 5
+    assert not torch.equal(logits(model, ids), before)
+    revert_roundalign(model)
+    assert torch.equal(logits(model, ids), before)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_exact_mode_gradients_agree_with_three_regions(arch):
+    """Exact mode swaps sdpa for the engine's attention forward (fp32-recomputed backward) and the reduction order;
+    its gradients must stay within 3% (relative Frobenius norm, per parameter tensor) of the three-region mode's."""
+    from trl_roundalign.profiles import ALL_REGIONS
+
+    ids, mask = batch()
+
+    def grads(regions, profile):
+        model = load(arch)
+        apply_roundalign(model, regions, profile, backend="torch")
+        model.train()
+        out = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        out.float().log_softmax(-1).gather(-1, ids[..., None]).sum().backward()
+        return {k: p.grad.float() for k, p in model.named_parameters() if p.grad is not None}
+
+    three = grads(PAPER_REGIONS, "vllm-compiled")
+    exact = grads(ALL_REGIONS, "vllm-compiled-exact")
+    assert three.keys() == exact.keys()
+    worst = max(((exact[k] - three[k]).norm() / three[k].norm()).item() for k in three if three[k].norm() > 0)
+    assert worst < 0.03, worst
+    assert any(not torch.equal(exact[k], three[k]) for k in three), "the modes must differ somewhere"

@@ -6,13 +6,13 @@ machine lacks; torchrun is the launcher accelerate itself uses for multi-process
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from _env import subprocess_env
 
 from trl_roundalign import metrics
 
@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 def test_two_process_metrics_equal_the_union(tmp_path):
     script = Path(__file__).with_name("two_process_run.py")
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+    env = subprocess_env(ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29561", str(script), str(tmp_path)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

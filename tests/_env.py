@@ -1,0 +1,18 @@
+"""Environment for subprocesses started by tests.
+
+A vLLM engine colocated by TRL in the test process sets the torch.distributed rendezvous variables
+(MASTER_ADDR/MASTER_PORT, RANK, WORLD_SIZE, ...) and keeps a TCP store listening on MASTER_PORT; a child
+that inherited them would try to listen on the same port. Children get the environment without them.
+"""
+
+from __future__ import annotations
+
+import os
+
+RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS}
+    env.update(extra)
+    return env
