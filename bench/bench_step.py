@@ -46,20 +46,9 @@ CONDITIONS = {
 
 def set_environment() -> None:
     """In-process vLLM with a 1 GiB KV cache, offline, every cache under the repository's `.cache/`."""
-    cache = ROOT / ".cache"
-    defaults = {
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_CACHE_ROOT": str(cache / "vllm"),
-        "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
-        "TRL_ROUNDALIGN_CACHE": str(cache / "models"),
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-    }
-    for key, value in defaults.items():
-        os.environ.setdefault(key, value)
+    from trl_roundalign.engine import set_offline_defaults
+
+    set_offline_defaults(ROOT / ".cache")
 
 
 def parse_args(argv=None) -> argparse.Namespace:

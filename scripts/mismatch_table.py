@@ -20,11 +20,10 @@ import sys
 import time
 from pathlib import Path
 
+from trl_roundalign.engine import set_offline_defaults
+
 ROOT = Path(__file__).resolve().parents[1]
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("VLLM_CACHE_ROOT", str(ROOT / ".cache" / "vllm"))
-os.environ.setdefault("TRL_ROUNDALIGN_CACHE", str(ROOT / ".cache" / "models"))
+set_offline_defaults(ROOT / ".cache")
 
 MODELS = ("tiny-qwen2", "tiny-qwen3", "tiny-llama", "peaked-qwen3", "smollm2-135m")
 

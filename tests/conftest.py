@@ -18,18 +18,13 @@ CACHE = Path(os.environ.get("ROUNDALIGN_TEST_CACHE", ROOT / ".cache"))
 
 if not shutil.which("nvidia-smi"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("TRL_ROUNDALIGN_CACHE", str(CACHE / "models"))
-os.environ.setdefault("VLLM_CACHE_ROOT", str(CACHE / "vllm"))
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(CACHE / "inductor"))
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+from trl_roundalign.engine import set_offline_defaults  # noqa: E402  (imports neither vLLM nor Triton)
+
+set_offline_defaults(CACHE)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -36,7 +36,34 @@ __all__ = [
     "inductor_reduction_lanes",
     "profile_for_engine",
     "scoped_cache_root",
+    "set_offline_defaults",
 ]
+
+
+def set_offline_defaults(cache: str | os.PathLike, *, in_process_vllm: bool = True) -> None:
+    """Environment defaults for offline runs on this kind of machine (existing values win).
+
+    Every cache under `cache` (converted models, vLLM's compile cache, Inductor's), no hub access,
+    a 1 GiB vLLM-CPU KV cache (otherwise vLLM takes a share of host RAM), tokenizers without
+    their own thread pool, and, with `in_process_vllm`, vLLM's engine in this process (TRL colocate
+    needs no such setting: it builds the engine with the external launcher, in process).
+    Call it before vLLM is imported.
+    """
+    cache = Path(cache)
+    defaults = {
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CACHE_ROOT": str(cache / "vllm"),
+        "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
+        "TRL_ROUNDALIGN_CACHE": str(cache / "models"),
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    if in_process_vllm:
+        defaults["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    for key, value in defaults.items():
+        os.environ.setdefault(key, value)
 
 
 def _default_cache_base() -> Path:

@@ -47,22 +47,12 @@ COLUMNS = (
 
 def set_environment() -> None:
     """Offline, every cache under the repository's `.cache/`, a 1 GiB vLLM-CPU KV cache, passive OpenMP waits."""
-    cache = ROOT / ".cache"
-    defaults = {
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_CACHE_ROOT": str(cache / "vllm"),
-        "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
-        "TRL_ROUNDALIGN_CACHE": str(cache / "models"),
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        # OpenMP threads sleep instead of spinning at barriers: about 15% slower on an idle 2-core machine,
-        # 1.7x faster with one other busy process (measured), and no collapse when the cores are oversubscribed.
-        "OMP_WAIT_POLICY": "PASSIVE",
-    }
-    for key, value in defaults.items():
-        os.environ.setdefault(key, value)
+    from trl_roundalign.engine import set_offline_defaults
+
+    set_offline_defaults(ROOT / ".cache", in_process_vllm=False)
+    # OpenMP threads sleep instead of spinning at barriers: about 15% slower on an idle 2-core machine,
+    # 1.7x faster with one other busy process (measured), and no collapse when the cores are oversubscribed.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def launch_command(condition: str, output_dir: Path, steps: int, max_train_seconds: int | None = None) -> list[str]:
