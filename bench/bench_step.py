@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import gc
 import logging
 import os
 import statistics
@@ -223,8 +222,7 @@ def run_condition(model_path: str, condition: str, log_mismatch: bool, args, on_
     kl = [h.get("mismatch/kl_k3") for h in history if "mismatch/kl_k3" in h]
     if kl:
         row["kl_k3_last"] = kl[-1]
-    del trainer
-    gc.collect()
+    trainer.close()
     return row
 
 

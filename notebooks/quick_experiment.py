@@ -39,7 +39,6 @@ SEED = 0
 
 # %%
 # ruff: noqa: E402  (a notebook: imports follow the parameters cell)
-import gc
 import io
 import logging
 import os
@@ -95,7 +94,7 @@ _ = trl_roundalign_cli(["env"])
 
 # %%
 from trl_roundalign.analysis.compare import build_conditions, compare_with_engine
-from trl_roundalign.engine import build_llm, engine_info, profile_for_engine
+from trl_roundalign.engine import build_llm, close_llm, engine_info, profile_for_engine
 from trl_roundalign.local_models import resolve_model
 
 model_path = resolve_model(MODEL)
@@ -124,8 +123,8 @@ floor = comparison.floors["sampler_vs_prefill"]
 print(f"{'engine floor':<14}{'':>15}{'':>17}{'':>15}{floor['mismatch/kl_k3']:>15.2e}  (sampler vs prefill)")
 
 # %%
+close_llm(llm)  # frees the engine's memory now (vLLM freezes the garbage collector while it runs)
 del llm, comparison
-_ = gc.collect()
 
 # %% [markdown]
 # ## 3. A short GRPO run with `RoundAlignGRPOTrainer`
@@ -177,8 +176,8 @@ for condition in GRPO_CONDITIONS:
     trainer.remove_callback(PrinterCallback)  # the table below shows the numbers
     trainer.train()
     history[condition] = [r for r in trainer.state.log_history if "mismatch/kl_k3" in r]
+    trainer.close()  # shut its colocated engine down before the next condition builds one
     del trainer
-    _ = gc.collect()
 
 print(f"{'condition':<14}{'step':>5}{'reward':>8}{'kl_k3':>11}{'mean|Δ|':>9}{'outside clip':>14}")
 for condition, rows in history.items():

@@ -12,7 +12,6 @@ Writes docs/results/mismatch_table.{md,json}.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import platform
@@ -38,7 +37,7 @@ def main(argv=None) -> int:
 
     from trl_roundalign.analysis.analyze import _fmt
     from trl_roundalign.analysis.compare import build_conditions, compare_with_engine
-    from trl_roundalign.engine import build_llm
+    from trl_roundalign.engine import build_llm, close_llm
     from trl_roundalign.local_models import resolve_model
 
     conditions = build_conditions("regions", "vllm-compiled", exact=True)
@@ -53,8 +52,7 @@ def main(argv=None) -> int:
         for floor, s in comp.floors.items():
             rows.append({"model": name, "condition": f"floor:{floor}", "regions": [], "profile": "engine", **s})
         print(f"{name}: done ({time.time() - started:.0f} s)", file=sys.stderr)
-        del llm
-        gc.collect()
+        close_llm(llm)
 
     head = "| model | condition | k3 | mean \\|Δ\\| | max \\|Δ\\| | bit-identical | tokens |"
     lines = [head, "|---|---|---|---|---|---|---|"]

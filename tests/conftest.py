@@ -75,4 +75,8 @@ def engines():
         return built[key]
 
     yield get
+    from trl_roundalign.engine import close_llm
+
+    for llm in built.values():
+        close_llm(llm)
     built.clear()

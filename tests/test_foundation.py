@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import gc
 import sys
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from trl_roundalign.engine import close_llm
 from trl_roundalign.local_models import (
     SUPPORTED_TINY_ARCHS,
     VLLM_CPU_HEAD_DIMS,
@@ -125,5 +125,4 @@ def test_plain_grpo_colocate_trains_and_weight_sync_follows_the_model(tmp_path):
     follows = (after - hf_after).abs().mean().item()
     assert moved > 0.05, f"training at lr 5e-2 should move the log-probs, moved {moved:.4f}"
     assert follows < moved / 10, f"vLLM after sync differs from the trained model by {follows:.4f} (moved {moved:.4f})"
-    del trainer, llm
-    gc.collect()
+    close_llm(llm)

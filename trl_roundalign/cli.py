@@ -119,11 +119,12 @@ def cmd_env(args) -> int:
     rows["vllm platform"] = "cpu" if is_vllm_cpu() else ("cuda" if torch.cuda.is_available() else "n/a")
     rows["TRITON_INTERPRET"] = os.environ.get("TRITON_INTERPRET", "unset")
     if args.engine:
-        from .engine import build_llm, engine_info, profile_for_engine
+        from .engine import build_llm, close_llm, engine_info, profile_for_engine
         from .local_models import tiny_model
 
         llm = build_llm(tiny_model("qwen3"), **engine_kwargs_from(args))
         info = engine_info(llm)
+        close_llm(llm)
         rows["engine mode"] = f"{info.compile_mode} (enforce_eager={info.enforce_eager}, custom_ops={info.custom_ops})"
         rows["profile (auto)"] = profile_for_engine(info)
     else:

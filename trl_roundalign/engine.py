@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "EngineInfo",
     "build_llm",
+    "close_llm",
     "engine_cache_root",
     "engine_info",
     "fresh_rope_cache",
@@ -166,6 +167,24 @@ def build_llm(
         llm = LLM(model=str(model), enforce_eager=enforce_eager, seed=seed, **llm_kwargs)
     llm._roundalign_cache_root = root
     return llm
+
+
+def close_llm(llm) -> None:
+    """Shut an in-process `vllm.LLM` down now and free what it holds (KV cache, weights, graphs).
+
+    Dropping the last reference is not enough: vLLM's engine core calls `gc.freeze()` when it starts,
+    so the engine (and every object alive at that moment, a trainer included) stays in memory until
+    the engine is shut down. This calls the engine core's shutdown (which also unfreezes the
+    collector and tears down the torch.distributed state vLLM created) and collects. Safe to call
+    twice; the `llm` must not be used afterwards.
+    """
+    import gc
+
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is None or not hasattr(core, "shutdown"):
+        raise TypeError(f"close_llm expects a vllm.LLM, got {type(llm).__name__}.")
+    core.shutdown()
+    gc.collect()
 
 
 @dataclass

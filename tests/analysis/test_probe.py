@@ -28,6 +28,7 @@ from trl_roundalign.analysis.probe import (
     format_report,
     ulp_distance,
 )
+from trl_roundalign.engine import close_llm
 from trl_roundalign.local_models import tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -134,14 +135,14 @@ def _probe_engine(**engine_kwargs):
 def compiled():
     report, llm = _probe_engine()
     yield report, llm
-    del llm
+    close_llm(llm)
 
 
 @pytest.fixture(scope="module")
 def eager():
     report, llm = _probe_engine(enforce_eager=True)
     yield report, llm
-    del llm
+    close_llm(llm)
 
 
 @pytest.mark.vllm

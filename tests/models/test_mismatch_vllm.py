@@ -11,8 +11,6 @@ prefill scoring. Claims:
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 
 from trl_roundalign.analysis.compare import build_conditions, compare_with_engine
@@ -45,15 +43,14 @@ _cache: dict[str, object] = {}
 def comparison(name: str):
     """Run (once per session) the comparison for one model; the engine is freed afterwards."""
     if name not in _cache:
-        from trl_roundalign.engine import build_llm
+        from trl_roundalign.engine import build_llm, close_llm
 
         path = MODELS[name]()
         llm = build_llm(path)
         _cache[name] = compare_with_engine(
             path, llm, CONDITIONS, num_prompts=4, samples_per_prompt=2, max_new_tokens=48, seed=0, floors=False
         )
-        del llm
-        gc.collect()
+        close_llm(llm)
     return _cache[name]
 
 

@@ -11,12 +11,12 @@ compiled, the Llama engine eager).
 from __future__ import annotations
 
 import contextlib
-import gc
 import math
 
 import pytest
 import torch
 
+from trl_roundalign.engine import close_llm
 from trl_roundalign.ops import attention as attn_mod
 from trl_roundalign.ops.attention import (
     hf_attention_interface,
@@ -164,8 +164,7 @@ def _capturing_engine(spec, cache_dir):
         yield captured
     finally:
         with contextlib.suppress(NameError):
-            del llm
-        gc.collect()
+            close_llm(llm)
         mp.undo()
         torch.set_num_threads = set_threads
         torch._C.set_num_threads(threads_before)

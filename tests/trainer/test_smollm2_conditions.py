@@ -8,8 +8,6 @@ exact mode should land near it.
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 from trainer_helpers import make_config  # tests/trainer is on sys.path
 
@@ -34,8 +32,7 @@ def run(tmp_path, regions):
     trainer.train()
     k3 = [h["mismatch/kl_k3"] for h in trainer.state.log_history if "mismatch/kl_k3" in h]
     eq = [h["mismatch/frac_bitwise_equal"] for h in trainer.state.log_history if "mismatch/kl_k3" in h]
-    del trainer
-    gc.collect()
+    trainer.close()
     return k3, eq
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import json
 import math
 from pathlib import Path
@@ -63,8 +62,7 @@ def trained(request, tmp_path_factory):
     before = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
     trainer.train()
     yield trainer, watcher, before, Path(out) / "mismatch.jsonl"
-    del trainer
-    gc.collect()
+    trainer.close()
 
 
 def test_metrics_are_logged_every_step_and_finite(trained):
@@ -127,5 +125,4 @@ def test_one_step_at_lr_1e6_changes_the_model(tmp_path):
     bf16_moved = sum(int(not torch.equal(v, before[k])) for k, v in trainer.model.named_parameters())
     assert masters_moved == len(opt.masters), "every fp32 master must move after one step"
     assert bf16_moved > 0
-    del trainer
-    gc.collect()
+    trainer.close()

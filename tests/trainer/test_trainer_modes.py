@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import gc
 import json
 import warnings
+import weakref
 from pathlib import Path
 
 import pytest
@@ -21,21 +21,17 @@ from trl_roundalign.profiles import PAPER_REGIONS
 pytestmark = pytest.mark.vllm
 
 
-def _free(*objs):
-    for o in objs:
-        del o
-    gc.collect()
-
-
 @pytest.mark.parametrize(
     ("engine_kwargs", "expected", "other"),
     [(None, "vllm-compiled", "vllm-eager-cpu"), ({"enforce_eager": True}, "vllm-eager-cpu", "vllm-compiled")],
     ids=["compiled", "eager"],
 )
-def test_auto_profile_follows_the_engine_and_matches_it_better(tmp_path, engine_kwargs, expected, other):
+def test_auto_profile_follows_the_engine_and_matches_it_better(tmp_path, engine_kwargs, expected, other, closing):
     path = tiny_model("qwen3", initializer_range=0.2, head_dim=64, hidden_size=256, intermediate_size=512, qk_norm_gain=2.0)
     args = make_config(tmp_path, max_steps=1, vllm_engine_kwargs=engine_kwargs)
-    trainer = RoundAlignGRPOTrainer(model=str(path), reward_funcs=varied_reward, args=args, train_dataset=arithmetic_dataset("train[:8]"))
+    trainer = closing(
+        RoundAlignGRPOTrainer(model=str(path), reward_funcs=varied_reward, args=args, train_dataset=arithmetic_dataset("train[:8]"))
+    )
     assert trainer.roundalign_profile == expected
     assert trainer.roundalign_engine.enforce_eager == bool(engine_kwargs)
     # The chosen profile reproduces this engine better than the other reading does.
@@ -44,10 +40,10 @@ def test_auto_profile_follows_the_engine_and_matches_it_better(tmp_path, engine_
     chosen = comp.stats["chosen"]["vs_prefill"]["mismatch/kl_k3"]
     worse = comp.stats["other"]["vs_prefill"]["mismatch/kl_k3"]
     assert chosen < worse, (expected, chosen, other, worse)
-    _free(trainer)
+    trainer.close()
 
 
-def test_lora_with_gradient_checkpointing_trains(tmp_path):
+def test_lora_with_gradient_checkpointing_trains(tmp_path, closing):
     peft = pytest.importorskip("peft")
     args = make_config(tmp_path, max_steps=2, gradient_checkpointing=True, learning_rate=1e-4)
     trainer = RoundAlignGRPOTrainer(
@@ -57,6 +53,7 @@ def test_lora_with_gradient_checkpointing_trains(tmp_path):
         train_dataset=arithmetic_dataset("train[:16]"),
         peft_config=peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj"], task_type="CAUSAL_LM"),
     )
+    closing(trainer)
     assert get_patch_report(trainer.model).regions == PAPER_REGIONS
     lora_before = {k: v.detach().clone() for k, v in trainer.model.named_parameters() if "lora_B" in k}
     trainer.train()
@@ -64,15 +61,16 @@ def test_lora_with_gradient_checkpointing_trains(tmp_path):
     assert moved, "LoRA weights did not train"
     steps = [h for h in trainer.state.log_history if "mismatch/kl_k3" in h]
     assert len(steps) == 2
-    _free(trainer)
+    trainer.close()
 
 
-def test_checkpoint_loads_in_plain_transformers_and_resume_reapplies_patches(tmp_path):
+def test_checkpoint_loads_in_plain_transformers_and_resume_reapplies_patches(tmp_path, closing):
     out = tmp_path / "run"
     args = make_config(out, max_steps=2, save_strategy="steps", save_steps=2, learning_rate=1e-5)
     trainer = RoundAlignGRPOTrainer(
         model=str(tiny_model("llama")), reward_funcs=varied_reward, args=args, train_dataset=arithmetic_dataset("train[:32]")
     )
+    closing(trainer)
     trainer.train()
     ckpt = out / "checkpoint-2"
     assert ckpt.is_dir()
@@ -81,12 +79,13 @@ def test_checkpoint_loads_in_plain_transformers_and_resume_reapplies_patches(tmp
     for k, v in plain.named_parameters():
         assert torch.equal(v, trained[k].detach()), k
     masters = [m.clone() for m in trainer.optimizer.optimizer.masters]
-    _free(trainer)
+    trainer.close()
 
     args = make_config(out, max_steps=3, save_strategy="no", learning_rate=1e-5)
     resumed = RoundAlignGRPOTrainer(
         model=str(tiny_model("llama")), reward_funcs=varied_reward, args=args, train_dataset=arithmetic_dataset("train[:32]")
     )
+    closing(resumed)
     resumed.train(resume_from_checkpoint=str(ckpt))
     assert get_patch_report(resumed.model) is not None
     assert resumed.state.global_step == 3
@@ -96,10 +95,10 @@ def test_checkpoint_loads_in_plain_transformers_and_resume_reapplies_patches(tmp
     assert [r["step"] for r in rows if "step" in r] == [1, 2, 3]
     # The fp32 masters came back from the checkpoint (not re-derived from bf16 weights).
     assert len(masters) == len(resumed.optimizer.optimizer.masters)
-    _free(resumed)
+    resumed.close()
 
 
-def test_plain_grpo_trainer_with_the_callback(tmp_path):
+def test_plain_grpo_trainer_with_the_callback(tmp_path, closing):
     from trl import GRPOConfig, GRPOTrainer
 
     from trl_roundalign._compat import apply_vllm_cpu_weight_sync_fix
@@ -107,7 +106,9 @@ def test_plain_grpo_trainer_with_the_callback(tmp_path):
     apply_vllm_cpu_weight_sync_fix()
     args = GRPOConfig(**config_kwargs(tmp_path, max_steps=2, vllm_importance_sampling_correction=True))
     model = AutoModelForCausalLM.from_pretrained(tiny_model("qwen2"), dtype=torch.bfloat16)
-    trainer = GRPOTrainer(model=model, reward_funcs=varied_reward, args=args, train_dataset=arithmetic_dataset("train[:16]"))
+    trainer = closing(
+        GRPOTrainer(model=model, reward_funcs=varied_reward, args=args, train_dataset=arithmetic_dataset("train[:16]"))
+    )
     cb = MismatchCallback(log_file=tmp_path / "plain.jsonl").attach(trainer)
     trainer.add_callback(cb)
     trainer.train()
@@ -115,10 +116,9 @@ def test_plain_grpo_trainer_with_the_callback(tmp_path):
     assert len(steps) == 2 and all(h["mismatch/tokens"] > 0 for h in steps)
     # TRL's own mismatch metric and ours describe the same tokens.
     assert all("sampling/sampling_logp_difference/mean" in h for h in steps)
-    _free(trainer)
 
 
-def test_guards(tmp_path):
+def test_guards(tmp_path, closing):
     ds = arithmetic_dataset("train[:8]")
     path = str(tiny_model("llama"))
     from trl import GRPOConfig
@@ -148,11 +148,15 @@ def test_guards(tmp_path):
         make_config(tmp_path, vllm_engine_kwargs="{enforce_eager: true")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer = RoundAlignGRPOTrainer(
+        with RoundAlignGRPOTrainer(
             model=path, reward_funcs=varied_reward, args=make_config(tmp_path, top_p=0.9, max_steps=1), train_dataset=ds
-        )
+        ) as trainer:
+            closing(trainer)
+            llm = weakref.ref(trainer.vllm_generation.llm)
     assert any("top_p=0.9" in str(w.message) and "biased" in str(w.message) for w in caught)
-    _free(trainer)
+    # Leaving the with-block shut the engine down and freed it; a second close is harmless.
+    assert trainer.vllm_generation.llm is None and llm() is None
+    trainer.close()
 
 
 def test_regions_none_and_exact_from_config(tmp_path):
@@ -169,14 +173,15 @@ def test_mismatch_jsonl_path_default_and_override(tmp_path):
     assert Path(cfg.mismatch_log_file).name == "m.jsonl"
 
 
-def test_fp32_lm_head_on_both_sides(tmp_path):
+def test_fp32_lm_head_on_both_sides(tmp_path, closing):
     args = make_config(tmp_path, max_steps=1, cast_lm_head_to_fp32=True, roundalign_regions=[])
     trainer = RoundAlignGRPOTrainer(
         model=str(tiny_model("llama")), reward_funcs=varied_reward, args=args, train_dataset=arithmetic_dataset("train[:8]")
     )
+    closing(trainer)
     assert trainer.vllm_generation.llm.llm_engine.model_config.head_dtype == torch.float32
     assert trainer.model.lm_head.weight.dtype == torch.float32
     before = trainer.model.lm_head.weight.detach().clone()
     trainer.train()
     assert not torch.equal(before, trainer.model.lm_head.weight), "the fp32 head is its own master and must train"
-    _free(trainer)
+    trainer.close()

@@ -140,7 +140,7 @@ def analyze(
     llm=None,
 ) -> dict:
     """Run the analysis and (with `output_dir`) write the report; returns the `summary.json` dict."""
-    from ..engine import build_llm, engine_info, profile_for_engine
+    from ..engine import build_llm, close_llm, engine_info, profile_for_engine
     from ..local_models import resolve_model
     from ..profiles import get_profile
 
@@ -151,49 +151,54 @@ def analyze(
     model_path = resolve_model(model)
     _check_architecture(model_path)
     rows = read_prompts(prompts, column=prompt_column, split=split, n=num_prompts, seed=seed)
-    if llm is None:
+    own_engine = llm is None
+    if own_engine:
         llm = build_llm(model_path, seed=seed, **(engine_kwargs or {}))
-    info = engine_info(llm)
-    resolved = profile_for_engine(info) if profile == "auto" else get_profile(profile).name
-    if exact == "auto":
-        use_exact = info.compiled and info.platform == "cpu" and resolved == "vllm-compiled"
-    else:
-        use_exact = exact == "on"
-    conds = build_conditions(conditions, resolved, exact=use_exact)
-    prompt_ids = tokenize_prompts(rows, llm.get_tokenizer())
-    comp = compare_with_engine(
-        model_path,
-        llm,
-        conds,
-        prompts=prompt_ids,
-        samples_per_prompt=samples_per_prompt,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        seed=seed,
-        floors=floors,
-        progress=progress,
-    )
-    summary = {
-        "model": model,
-        "model_path": model_path,
-        "engine": info.as_dict(),
-        "profile": resolved,
-        "settings": {
-            "prompts": prompts or "arithmetic (packaged)",
-            "num_prompts": len(prompt_ids),
-            "samples_per_prompt": samples_per_prompt,
-            "max_new_tokens": max_new_tokens,
-            "temperature": temperature,
-            "seed": seed,
-            "conditions": conditions,
-        },
-        "tokens": int(sum(len(s.completion_ids) for s in comp.samples)),
-        "conditions": [
-            {"name": c.name, "regions": list(c.regions), "profile": c.profile, **comp.stats[c.name]} for c in comp.conditions
-        ],
-        "contributions": region_contributions(comp.stats, comp.conditions),
-        "floors": comp.floors,
-    }
+    try:
+        info = engine_info(llm)
+        resolved = profile_for_engine(info) if profile == "auto" else get_profile(profile).name
+        if exact == "auto":
+            use_exact = info.compiled and info.platform == "cpu" and resolved == "vllm-compiled"
+        else:
+            use_exact = exact == "on"
+        conds = build_conditions(conditions, resolved, exact=use_exact)
+        prompt_ids = tokenize_prompts(rows, llm.get_tokenizer())
+        comp = compare_with_engine(
+            model_path,
+            llm,
+            conds,
+            prompts=prompt_ids,
+            samples_per_prompt=samples_per_prompt,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            seed=seed,
+            floors=floors,
+            progress=progress,
+        )
+        summary = {
+            "model": model,
+            "model_path": model_path,
+            "engine": info.as_dict(),
+            "profile": resolved,
+            "settings": {
+                "prompts": prompts or "arithmetic (packaged)",
+                "num_prompts": len(prompt_ids),
+                "samples_per_prompt": samples_per_prompt,
+                "max_new_tokens": max_new_tokens,
+                "temperature": temperature,
+                "seed": seed,
+                "conditions": conditions,
+            },
+            "tokens": int(sum(len(s.completion_ids) for s in comp.samples)),
+            "conditions": [
+                {"name": c.name, "regions": list(c.regions), "profile": c.profile, **comp.stats[c.name]} for c in comp.conditions
+            ],
+            "contributions": region_contributions(comp.stats, comp.conditions),
+            "floors": comp.floors,
+        }
+    finally:
+        if own_engine:
+            close_llm(llm)
     if output_dir is not None:
         write_report(summary, comp, output_dir)
     return summary

@@ -945,83 +945,88 @@ def probe(
     Returns:
         A `ProbeReport`.
     """
-    from ..engine import build_llm, engine_info, profile_for_engine
+    from ..engine import build_llm, close_llm, engine_info, profile_for_engine
 
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
-    if llm is None and model_check:
+    own_engine = llm is None and model_check
+    if own_engine:
         with fresh_rope_cache():
             llm = build_llm(str(model), **engine_kwargs)
         timings["build_engine"] = time.perf_counter() - t0
-    t1 = time.perf_counter()
-    results, ctx = probe_regions(model, llm=llm, rows=rows, seed=seed, **({} if llm is not None else engine_kwargs))
-    timings["regions"] = time.perf_counter() - t1
-    cfg = ctx["vllm_config"]
-    info = engine_info(llm if llm is not None else cfg)
-    engine = info.as_dict()
-    engine["inductor_options"] = ctx["inductor_options"]
-
-    verdict, exact = _verdict(results)
-    _assign_best(results, verdict)
-    report = ProbeReport(
-        model=str(model),
-        engine=engine,
-        source=ctx["source"],
-        rows=rows,
-        seed=seed,
-        regions=results,
-        profile=verdict,
-        profile_exact=exact,
-        region_profiles={r.region: r.best for r in results if not r.skipped},
-        warnings=list(ctx["warnings"]),
-    )
-    for r in results:
-        if r.warning:
-            report.warnings.append(f"{r.region}: {r.warning}")
-        elif r.skipped:
-            report.warnings.append(f"{r.region}: not probed ({r.skipped})")
-    if verdict is None:
-        report.warnings.append("no profile matches any region of this engine")
-    elif not exact:
-        off = [r.region for r in results if not r.skipped and not r.results[verdict].matches]
-        report.warnings.append(
-            f"no single profile matches every region; {verdict!r} matches all but {', '.join(off)} "
-            f"(per region: {report.region_profiles})"
-        )
     try:
-        report.auto_profile = profile_for_engine(info)
-    except ValueError as exc:
-        report.auto_error = str(exc)
-    if report.auto_profile is not None:
-        report.agrees_with_auto = report.auto_profile == verdict
-        if not report.agrees_with_auto:
-            report.warnings.append(
-                f"profile='auto' picks {report.auto_profile!r} for this engine, but the probe measured {verdict!r}"
-            )
+        t1 = time.perf_counter()
+        results, ctx = probe_regions(model, llm=llm, rows=rows, seed=seed, **({} if llm is not None else engine_kwargs))
+        timings["regions"] = time.perf_counter() - t1
+        cfg = ctx["vllm_config"]
+        info = engine_info(llm if llm is not None else cfg)
+        engine = info.as_dict()
+        engine["inductor_options"] = ctx["inductor_options"]
 
-    if model_check:
-        t2 = time.perf_counter()
-        report.model_level = probe_model_level(
-            model,
-            llm,
-            num_prompts=num_prompts,
-            samples_per_prompt=samples_per_prompt,
-            max_new_tokens=max_new_tokens,
+        verdict, exact = _verdict(results)
+        _assign_best(results, verdict)
+        report = ProbeReport(
+            model=str(model),
+            engine=engine,
+            source=ctx["source"],
+            rows=rows,
             seed=seed,
+            regions=results,
+            profile=verdict,
+            profile_exact=exact,
+            region_profiles={r.region: r.best for r in results if not r.skipped},
+            warnings=list(ctx["warnings"]),
         )
-        timings["model_level"] = time.perf_counter() - t2
-        best, exact_cand, conclusive = _model_best(report.model_level, prefer=verdict)
-        report.model_level_best, report.model_level_exact, report.model_level_conclusive = best, exact_cand, conclusive
-        if not conclusive:
+        for r in results:
+            if r.warning:
+                report.warnings.append(f"{r.region}: {r.warning}")
+            elif r.skipped:
+                report.warnings.append(f"{r.region}: not probed ({r.skipped})")
+        if verdict is None:
+            report.warnings.append("no profile matches any region of this engine")
+        elif not exact:
+            off = [r.region for r in results if not r.skipped and not r.results[verdict].matches]
             report.warnings.append(
-                "no model-level candidate reproduces the engine's log-probs bit for bit; the closest by k3 is "
-                f"{best!r} (inconclusive: every candidate differs somewhere)"
+                f"no single profile matches every region; {verdict!r} matches all but {', '.join(off)} "
+                f"(per region: {report.region_profiles})"
             )
-        elif verdict is not None and best != verdict:
-            report.warnings.append(
-                f"at the model level {exact_cand!r} reproduces the engine bit for bit, not the per-region verdict "
-                f"{verdict!r}: the engine handles the residual stream differently from what its regions suggest"
+        try:
+            report.auto_profile = profile_for_engine(info)
+        except ValueError as exc:
+            report.auto_error = str(exc)
+        if report.auto_profile is not None:
+            report.agrees_with_auto = report.auto_profile == verdict
+            if not report.agrees_with_auto:
+                report.warnings.append(
+                    f"profile='auto' picks {report.auto_profile!r} for this engine, but the probe measured {verdict!r}"
+                )
+
+        if model_check:
+            t2 = time.perf_counter()
+            report.model_level = probe_model_level(
+                model,
+                llm,
+                num_prompts=num_prompts,
+                samples_per_prompt=samples_per_prompt,
+                max_new_tokens=max_new_tokens,
+                seed=seed,
             )
+            timings["model_level"] = time.perf_counter() - t2
+            best, exact_cand, conclusive = _model_best(report.model_level, prefer=verdict)
+            report.model_level_best, report.model_level_exact, report.model_level_conclusive = best, exact_cand, conclusive
+            if not conclusive:
+                report.warnings.append(
+                    "no model-level candidate reproduces the engine's log-probs bit for bit; the closest by k3 is "
+                    f"{best!r} (inconclusive: every candidate differs somewhere)"
+                )
+            elif verdict is not None and best != verdict:
+                report.warnings.append(
+                    f"at the model level {exact_cand!r} reproduces the engine bit for bit, not the per-region verdict "
+                    f"{verdict!r}: the engine handles the residual stream differently from what its regions suggest"
+                )
+    finally:
+        if own_engine:
+            close_llm(llm)
     timings["total"] = time.perf_counter() - t0
     report.timings = timings
     return report
