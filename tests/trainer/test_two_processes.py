@@ -1,7 +1,9 @@
-"""Two CPU processes (gloo), each with its own colocated vLLM: the logged metrics equal the metrics of the union.
+"""Two CPU processes (gloo) started by `accelerate launch`, each with its own colocated vLLM: the logged
+metrics equal the metrics of the union.
 
-`accelerate launch` starts several CPU processes only through mpirun (its MULTI_CPU launcher), which this
-machine lacks; torchrun is the launcher accelerate itself uses for multi-process runs, so the test uses it.
+`accelerate launch --cpu --num_processes 2` would go through mpirun, which this machine lacks;
+`--multi_gpu --num_processes 2` starts the processes with torch.distributed.run, and without CUDA
+they run on the CPU with gloo. That is the command this test runs.
 """
 
 from __future__ import annotations
@@ -22,7 +24,10 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 def test_two_process_metrics_equal_the_union(tmp_path):
     script = Path(__file__).with_name("two_process_run.py")
     env = subprocess_env(ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29561", str(script), str(tmp_path)]
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+        "--main_process_port", "29561", "--mixed_precision", "no", "--dynamo_backend", "no", str(script), str(tmp_path),
+    ]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
