@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+from trl_roundalign.cli import one_line  # light: argparse only, no torch or vLLM
+
 logger = logging.getLogger("recipes.eval_aime")
 
 PROMPT_TEMPLATE = "{problem}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
@@ -226,8 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, ConnectionError, ImportError) as exc:
         if os.environ.get("TRL_ROUNDALIGN_DEBUG"):
             raise
-        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        print(f"error: {msg}", file=sys.stderr)
+        print(f"error: {one_line(exc)}", file=sys.stderr)
         return 2
     output = Path(args.output or f"outputs/eval/aime25_{Path(str(args.model).rstrip('/')).name}.json")
     output.parent.mkdir(parents=True, exist_ok=True)

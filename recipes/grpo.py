@@ -41,6 +41,8 @@ from typing import Any
 from transformers import TrainerCallback
 from trl import ModelConfig, ScriptArguments, TrlParser
 
+from trl_roundalign.cli import one_line
+
 logger = logging.getLogger("recipes.grpo")
 
 # The paper's conditions as field values of RoundAlignGRPOConfig / ModelConfig (`--condition NAME`).
@@ -494,8 +496,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, ConnectionError, ImportError) as exc:
         if os.environ.get("TRL_ROUNDALIGN_DEBUG"):
             raise
-        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        print(f"error: {msg}", file=sys.stderr)
+        print(f"error: {one_line(exc)}", file=sys.stderr)
         return 2
     train(trainer, script_args, training_args)
     return 0

@@ -1,15 +1,13 @@
 """Recipes: every YAML parses, names a known condition, and says what that condition means.
 
 Layout (open-r1's): `recipes/<Model>/grpo/config_<condition>.yaml`, `recipes/cpu/*.yaml`,
-`recipes/accelerate_configs/*.yaml`. When `trl_roundalign.config.RoundAlignGRPOConfig` is importable,
-each recipe is also parsed by `TrlParser` into (script arguments, RoundAlignGRPOConfig, ModelConfig),
-the way `recipes/grpo.py` reads it (its `ScriptArguments` when that file exists, else a stand-in).
+`recipes/accelerate_configs/*.yaml`. Each recipe is also parsed by `TrlParser` into
+(`GRPOScriptArguments`, `RoundAlignGRPOConfig`, `ModelConfig`), the way `recipes/grpo.py` reads it.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import importlib
+import functools
 import importlib.util
 import re
 from pathlib import Path
@@ -245,46 +243,13 @@ def test_accelerate_configs():
 # Parsing into the real config classes (once trl_roundalign.config exists)
 
 
-def _config_class():
-    try:
-        return importlib.import_module("trl_roundalign.config").RoundAlignGRPOConfig
-    except (ImportError, AttributeError):
-        return None
-
-
-def _script_arguments_class():
-    """`recipes/grpo.py`'s script-arguments dataclass, or a stand-in with the same fields."""
-    script = RECIPES / "grpo.py"
-    if script.is_file():
-        spec = importlib.util.spec_from_file_location("roundalign_recipes_grpo", script)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        for name in ("ScriptArguments", "GRPOScriptArguments"):
-            cls = getattr(module, name, None)
-            if dataclasses.is_dataclass(cls) and "reward_funcs" in {f.name for f in dataclasses.fields(cls)}:
-                return cls
-        raise AssertionError("recipes/grpo.py defines no ScriptArguments dataclass with `reward_funcs`")
-
-    from trl import ScriptArguments
-
-    @dataclasses.dataclass
-    class StandInScriptArguments(ScriptArguments):
-        prompt_column: str = dataclasses.field(default="prompt", metadata={"help": "Prompt column."})
-        reward_funcs: list[str] = dataclasses.field(
-            default_factory=lambda: ["r1_math_reward"], metadata={"help": "Names from trl_roundalign.rewards."}
-        )
-
-    return StandInScriptArguments
-
-
 @pytest.mark.parametrize("path", recipe_files(), ids=_rel)
 def test_recipe_parses_with_trl_parser(path):
-    config_cls = _config_class()
-    if config_cls is None:
-        pytest.skip("trl_roundalign.config.RoundAlignGRPOConfig is not importable yet")
     from trl import ModelConfig, TrlParser
 
-    parser = TrlParser((_script_arguments_class(), config_cls, ModelConfig))
+    from trl_roundalign import RoundAlignGRPOConfig
+
+    parser = TrlParser((_grpo_script().GRPOScriptArguments, RoundAlignGRPOConfig, ModelConfig))
     args = ["--config", str(path)]
     if not torch.cuda.is_available():
         args += ["--use_cpu", "true"]  # transformers refuses bf16/fp16 without a GPU otherwise
@@ -318,7 +283,9 @@ def test_recipe_parses_with_trl_parser(path):
 # recipes/grpo.py's own parsing: `--condition <name>` on top of a recipe agrees with the recipe
 
 
+@functools.cache
 def _grpo_script():
+    """`recipes/grpo.py` as a module (loaded once)."""
     spec = importlib.util.spec_from_file_location("roundalign_recipes_grpo_for_recipes", RECIPES / "grpo.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

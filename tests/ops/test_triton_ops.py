@@ -30,92 +30,32 @@ from trl_roundalign.ops._common import rms_rstd
 _TESTS = str(Path(__file__).resolve().parents[1])
 if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)
-from _bitwise import assert_bitwise_equal, bit_mismatches, ulp_distance  # noqa: E402
+from _bitwise import assert_bitwise_equal  # noqa: E402
+from _kernel_checks import (  # noqa: E402
+    BF16,
+    EPS,
+    FP16,
+    FP32,
+    triton_mode,
+)
+from _kernel_checks import assert_bounded_flips as _assert_bounded_flips  # noqa: E402
+from _kernel_checks import assert_close_fp64 as _assert_close_fp64  # noqa: E402
+from _kernel_checks import assert_within_one_ulp as _assert_within_one_ulp  # noqa: E402
+from _kernel_checks import gen as _gen  # noqa: E402
+from _kernel_checks import grads as _grads  # noqa: E402
+from _kernel_checks import randn as _randn  # noqa: E402
+from _kernel_checks import rms_norm_fp64 as _rms_norm_fp64  # noqa: E402
+from _kernel_checks import weight as _weight  # noqa: E402
 
-EPS = 1e-6
-BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
-
-# RMSNorm with `lanes=None`: the kernel sums x^2 with `tl.sum` (numpy's pairwise sum under the
-# interpreter), torch with its own vectorised order. rstd then differs by 1 fp32 ulp in about 18% of
-# rows, which flips a bf16 output only when it lies that close to a rounding boundary: measured
-# 2.5e-6 to 4.7e-6 of outputs (hidden 96-1536, 4000 rows). The contract allows any order here
-# (ROUNDING.md: 0.001-0.004% of outputs); the bound below is 20x the measured rate plus two elements
-# for small tensors, and every flip must be exactly 1 ulp. `lanes=16/32` must be exact.
-UNORDERED_SUM_FLIP_RATE = 1e-4
-UNORDERED_SUM_FLIP_SLACK = 2
-
-_TRITON_MODULES = "trl_roundalign.ops.triton"
 # The interpreter runs the kernels' fp32 arithmetic in numpy, which warns on inf/NaN/overflow inputs.
 _NUMPY_SPECIALS = "ignore:.*encountered in:RuntimeWarning"
-
-
-def _drop_triton_modules() -> None:
-    for name in [m for m in sys.modules if m == _TRITON_MODULES or m.startswith(_TRITON_MODULES + ".")]:
-        del sys.modules[name]
 
 
 @pytest.fixture(scope="module", autouse=True)
 def triton_interpreter():
     """Run this module's kernels under the Triton interpreter, independent of earlier imports."""
-    saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    _drop_triton_modules()
-    from trl_roundalign.ops.triton import _numerics
-
-    assert _numerics.INTERPRET
-    yield
-    if saved is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = saved
-    _drop_triton_modules()
-
-
-def _gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
-def _randn(shape, dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
-    return (torch.randn(shape, generator=_gen(seed)) * scale).to(dtype)
-
-
-def _weight(n: int, dtype, seed: int) -> torch.Tensor:
-    return (1.0 + 0.25 * torch.randn(n, generator=_gen(seed))).to(dtype)
-
-
-def _assert_bounded_flips(actual: torch.Tensor, expected: torch.Tensor, *, label: str) -> None:
-    """At most `UNORDERED_SUM_FLIP_RATE` of the elements (+ slack) differ, each by exactly 1 ulp."""
-    stats = bit_mismatches(actual, expected)
-    allowed = UNORDERED_SUM_FLIP_RATE * stats["numel"] + UNORDERED_SUM_FLIP_SLACK
-    if stats["count"] > allowed or stats["max_ulp"] > 1 or "nan-vs-number" in stats["histogram"]:
-        assert_bitwise_equal(actual, expected, label=f"{label} (bound: {allowed:.0f} one-ulp flips)")
-
-
-def _grads(fn, inputs, grad_outputs):
-    """Gradients of `fn(*inputs)` (one output or a tuple) for the floating-point inputs."""
-    leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
-    out = fn(*leaves)
-    outs = out if isinstance(out, tuple) else (out,)
-    torch.autograd.backward(list(outs), list(grad_outputs))
-    return [t.grad for t in leaves]
-
-
-def _assert_close_fp64(actual: torch.Tensor, exact: torch.Tensor, *, label: str, atol_frac: float = 2**-16) -> None:
-    """Tolerance of a gradient computed in fp32 and rounded once to `actual.dtype`.
-
-    rtol = the dtype's epsilon (twice the half-ulp of the single rounding); atol = `atol_frac` times
-    the largest |exact| value, for the fp32 cancellation where a gradient crosses zero (the derivative
-    terms themselves are exact to about 2^-22 relative before the final rounding).
-    """
-    rtol = torch.finfo(actual.dtype).eps if actual.dtype != FP32 else 2**-18
-    atol = atol_frac * exact.abs().max().item()
-    torch.testing.assert_close(actual.double(), exact, rtol=rtol, atol=atol, msg=lambda m: f"{label}: {m}")
-
-
-def _assert_within_one_ulp(actual: torch.Tensor, expected: torch.Tensor, *, label: str) -> None:
-    dist = ulp_distance(actual, expected)
-    if dist.max() > 1 or (dist < 0).any():
-        assert_bitwise_equal(actual, expected, label=f"{label} (allowed: 1 ulp)")
+    with triton_mode(interpret=True):
+        yield
 
 
 # --------------------------------------------------------------------------------------------------
@@ -286,11 +226,6 @@ def test_add_rms_norm_forward(n, lanes, fp32_residual, res_dtype):
     else:
         assert_bitwise_equal(got_y, ref_y, label=label)
         assert_bitwise_equal(_rstd_of(got_y), _rstd_of(ref_y), label=f"{label} rstd")
-
-
-def _rms_norm_fp64(x, w):
-    xf = x.double()
-    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS) * w.double()
 
 
 @pytest.mark.parametrize("n,x_dtype", [(576, BF16), (200, BF16), (96, FP32)])

@@ -8,23 +8,12 @@ from __future__ import annotations
 
 import pytest
 
-from trl_roundalign.engine import close_llm
-
-
-def close_trainer(trainer) -> None:
-    """`RoundAlignGRPOTrainer.close()`, or the same for a plain `trl.GRPOTrainer`."""
-    if hasattr(trainer, "close"):
-        trainer.close()
-        return
-    vg = getattr(trainer, "vllm_generation", None)
-    if getattr(vg, "llm", None) is not None:
-        close_llm(vg.llm)
-        vg.llm = None
+from trl_roundalign.engine import close_colocated_engine
 
 
 @pytest.fixture
 def closing():
-    """`closing(trainer)` returns the trainer and shuts its engine down at teardown, pass or fail."""
+    """`closing(trainer)` returns the trainer (ours or TRL's) and shuts its engine down at teardown, pass or fail."""
     kept = []
 
     def keep(trainer):
@@ -33,4 +22,4 @@ def closing():
 
     yield keep
     for trainer in kept:
-        close_trainer(trainer)
+        close_colocated_engine(trainer)

@@ -951,8 +951,7 @@ def probe(
     t0 = time.perf_counter()
     own_engine = llm is None and model_check
     if own_engine:
-        with fresh_rope_cache():
-            llm = build_llm(str(model), **engine_kwargs)
+        llm = build_llm(str(model), **engine_kwargs)  # with a fresh RoPE cache, like every build_llm engine
         timings["build_engine"] = time.perf_counter() - t0
     try:
         t1 = time.perf_counter()
