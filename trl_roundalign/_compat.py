@@ -19,7 +19,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["apply_vllm_cpu_weight_sync_fix", "is_vllm_cpu", "vllm_cpu_weight_sync_fix_applied"]
+__all__ = ["apply_vllm_cpu_weight_sync_fix", "is_vllm_cpu", "vllm_cpu_piecewise", "vllm_cpu_weight_sync_fix_applied"]
 
 _FIX_ATTR = "_roundalign_weight_sync_fix"
 
@@ -78,3 +78,64 @@ def _vllm_version() -> str:
         return vllm.__version__
     except Exception:  # pragma: no cover - informative only
         return "unknown"
+
+
+# ------------------------------------------------------------------------------------------------
+# vLLM-CPU built the CUDA way: piecewise compilation
+# ------------------------------------------------------------------------------------------------
+
+_PIECEWISE_DEPTH = 0
+
+
+def _piecewise_check_and_update_config(original):
+    """Wrap `CpuPlatform.check_and_update_config` so that, inside `vllm_cpu_piecewise()`, an engine asked for
+    `mode=VLLM_COMPILE` keeps it (and the Inductor backend) instead of vLLM-CPU's one-graph rewrite."""
+
+    def check_and_update_config(cls, vllm_config):
+        from vllm.config import CompilationMode
+
+        cc = vllm_config.compilation_config
+        keep = _PIECEWISE_DEPTH > 0 and cc.mode == CompilationMode.VLLM_COMPILE
+        original(vllm_config)
+        if keep:
+            # vLLM-CPU rewrote VLLM_COMPILE to DYNAMO_TRACE_ONCE (one graph); restore what CUDA runs. The
+            # Inductor options vLLM-CPU added (dce, epilogue fusion, dynamic threads) stay.
+            cc.mode = CompilationMode.VLLM_COMPILE
+            cc.backend = "inductor"
+
+    check_and_update_config.__dict__[_FIX_ATTR] = True
+    return classmethod(check_and_update_config)
+
+
+def _install_piecewise_hook() -> None:
+    from vllm.platforms.cpu import CpuPlatform
+
+    current = CpuPlatform.__dict__["check_and_update_config"]
+    if getattr(current.__func__, _FIX_ATTR, False):
+        return
+    CpuPlatform.check_and_update_config = _piecewise_check_and_update_config(current.__get__(None, CpuPlatform))
+
+
+class vllm_cpu_piecewise:  # noqa: N801 - used as a context manager, like contextlib's
+    """Build vLLM-CPU engines the way vLLM builds them on CUDA: piecewise compilation.
+
+    vLLM 0.31 on CUDA compiles with `mode=VLLM_COMPILE`, splitting the graph at the attention ops
+    (`CompilationConfig.splitting_ops`); vLLM-CPU rewrites that mode to `DYNAMO_TRACE_ONCE`, one whole
+    graph (`CpuPlatform.check_and_update_config`). Inside this context an engine whose
+    `compilation_config` asks for `mode=3` keeps it, so its numerics (where the residual stream is
+    rounded: at every split) can be measured on CPU. Pass `compile_sizes=[]` too
+    (`engine.piecewise_compilation_config` does). Engines built outside the context are untouched.
+    """
+
+    def __enter__(self):
+        global _PIECEWISE_DEPTH
+        if not is_vllm_cpu():
+            raise RuntimeError("vllm_cpu_piecewise applies to vLLM's CPU build only; on CUDA vLLM compiles piecewise itself.")
+        _install_piecewise_hook()
+        _PIECEWISE_DEPTH += 1
+        return self
+
+    def __exit__(self, *exc):
+        global _PIECEWISE_DEPTH
+        _PIECEWISE_DEPTH -= 1
+        return False

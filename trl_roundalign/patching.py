@@ -150,7 +150,7 @@ def apply_roundalign(
     if "attention" in regions and prof.attention == "unchanged":
         raise ValueError(
             f"Region 'attention' computes the engine's attention kernel; profile {prof.name!r} has none. "
-            "Use profile='vllm-compiled-exact' (vLLM-CPU)."
+            "Use profile='vllm-compiled-exact' or 'vllm-compiled-piecewise-exact' (vLLM-CPU)."
         )
     backbone = find_backbone(model)
     config = getattr(backbone, "config", None) or getattr(model, "config", None)
@@ -181,6 +181,11 @@ def apply_roundalign(
     if prof.reduction == "inductor-cpu" and ("rmsnorm" in regions or ("rope" in regions and spec.qk_norm)):
         if lanes_tuple is None:
             lanes_tuple, lanes_source = tuple(default_reduction_lanes(len(layers), spec.qk_norm)), "default"
+            logger.warning(
+                "profile %s without reduction_lanes: using vLLM-CPU 0.31's AVX-512 reading, not an engine's. Exactness "
+                "against an engine needs its own: reduction_lanes=trl_roundalign.engine.inductor_reduction_lanes(llm).",
+                prof.name,
+            )
         if len(lanes_tuple) != len(order):
             raise ValueError(
                 f"reduction_lanes has {len(lanes_tuple)} entries but this model runs {len(order)} RMSNorms "

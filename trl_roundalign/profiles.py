@@ -14,6 +14,8 @@ the inference engine runs:
 | `none` | `r(r(x1 c) - r(x2 s))` | `r(w r(x̂))` | `r(r(silu g) u)` | `r(w r(x̂))` | `r(h+res)` each sublayer | `r(s)` | torch | unchanged |
 | `vllm-compiled` | `r(x1 c - x2 s)` | fp32, fused into RoPE | `r(silu(g) u)` | `r(x̂ w)` | fp32 sum, never rounded | `s` | torch | unchanged |
 | `vllm-compiled-exact` | as `vllm-compiled` | as `vllm-compiled` | as `vllm-compiled` | `r(x̂ w)` | fp32 sum | `s` | Inductor CPU lanes | engine kernel |
+| `vllm-compiled-piecewise` | as `vllm-compiled` | as `vllm-compiled` | as `vllm-compiled` | `r(x̂ w)` | `r(s)` at each input-norm add, fp32 across the post-attention add | `s` | torch | unchanged |
+| `vllm-compiled-piecewise-exact` | as above | as above | as above | `r(x̂ w)` | as `vllm-compiled-piecewise` | `s` | Inductor CPU lanes | engine kernel |
 | `vllm-eager` (CUDA ops) | `r(x1 c - x2 s)` | `r(x̂ w)` then RoPE | `r(r(silu g) u)` | `r(x̂ w)` | `r(h+res)` | `r(s)` | torch | unchanged |
 | `vllm-eager-cpu` | `r(x1 c - x2 s)` | `r(w r(x̂))` then RoPE | `r(r(silu g) u)` | `r(w r(x̂))` | `r(h+res)` | `s` (fp32 sum) | torch | unchanged |
 
@@ -40,6 +42,7 @@ __all__ = [
     "PROFILES",
     "Profile",
     "get_profile",
+    "is_exact",
     "validate_regions",
 ]
 
@@ -58,7 +61,7 @@ RopeMode = Literal["hf", "fp32"]
 QkNormMode = Literal["hf", "round-once", "fp32-fused"]
 SwigluMode = Literal["hf", "fp32"]
 NormMode = Literal["hf", "fp32"]
-ResidualMode = Literal["round", "fp32"]
+ResidualMode = Literal["round", "fp32", "layer"]
 NormReads = Literal["rounded", "sum"]
 ReductionMode = Literal["torch", "inductor-cpu"]
 AttentionMode = Literal["unchanged", "vllm-cpu"]
@@ -78,7 +81,9 @@ class Profile:
         norm: RMSNorm output. `"hf"`: `r(w * r(x̂))`; `"fp32"`: `r(x̂ * w)`.
         residual: `"round"`: the residual is rounded after every sublayer (`r(h + res)`), and the
             variance is taken from the rounded sum; `"fp32"`: the residual stream is an fp32
-            running sum that is never rounded.
+            running sum that is never rounded; `"layer"`: rounded once per layer, at the input-norm add
+            (the value that crosses the attention split of a piecewise-compiled engine), kept fp32 across
+            the post-attention add; every norm reads the fp32 sum.
         norm_reads: with `residual="round"`, whether a norm after a residual add normalises the
             rounded residual (`"rounded"`) or the fp32 sum before rounding (`"sum"`). With
             `residual="fp32"` the sum is never rounded, so both read the same value.
@@ -141,6 +146,28 @@ PROFILES: dict[str, Profile] = {
             description="vllm-compiled plus the engine's RMSNorm reduction order and attention kernel (vLLM-CPU)",
         ),
         Profile(
+            "vllm-compiled-piecewise",
+            rope="fp32",
+            qk_norm="fp32-fused",
+            swiglu="fp32",
+            norm="fp32",
+            residual="layer",
+            norm_reads="sum",
+            description="vLLM VLLM_COMPILE split at attention (CUDA default): fused regions, residual rounded once per layer",
+        ),
+        Profile(
+            "vllm-compiled-piecewise-exact",
+            rope="fp32",
+            qk_norm="fp32-fused",
+            swiglu="fp32",
+            norm="fp32",
+            residual="layer",
+            norm_reads="sum",
+            reduction="inductor-cpu",
+            attention="vllm-cpu",
+            description="vllm-compiled-piecewise plus the engine's RMSNorm reduction order and attention kernel (vLLM-CPU)",
+        ),
+        Profile(
             "vllm-eager",
             rope="fp32",
             qk_norm="round-once",
@@ -178,6 +205,12 @@ def get_profile(profile: str | Profile) -> Profile:
             f"Unknown rounding profile {profile!r}; known profiles: {', '.join(PROFILES)} "
             "(the trainer also accepts 'auto': derived from the vLLM engine it builds)."
         ) from None
+
+
+def is_exact(profile: str | Profile) -> bool:
+    """Whether a profile is an exact mode (the engine's reduction order and attention kernel)."""
+    p = get_profile(profile)
+    return p.reduction == "inductor-cpu" or p.attention == "vllm-cpu"
 
 
 def validate_regions(regions) -> tuple[str, ...]:

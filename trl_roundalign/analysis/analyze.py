@@ -158,7 +158,7 @@ def analyze(
         info = engine_info(llm)
         resolved = profile_for_engine(info) if profile == "auto" else get_profile(profile).name
         if exact == "auto":
-            use_exact = info.compiled and info.platform == "cpu" and resolved == "vllm-compiled"
+            use_exact = info.compiled and info.platform == "cpu" and resolved in ("vllm-compiled", "vllm-compiled-piecewise")
         else:
             use_exact = exact == "on"
         conds = build_conditions(conditions, resolved, exact=use_exact)

@@ -11,7 +11,7 @@ import torch
 
 from .. import metrics
 from ..patching import apply_roundalign, revert_roundalign
-from ..profiles import ALL_REGIONS, PAPER_CONDITIONS, PAPER_REGIONS
+from ..profiles import ALL_REGIONS, PAPER_CONDITIONS, PAPER_REGIONS, get_profile, is_exact
 from .scoring import Sample, hf_logprobs
 
 logger = logging.getLogger(__name__)
@@ -50,8 +50,11 @@ def build_conditions(which: str, profile: str, *, exact: bool = False) -> list[C
         which: `"paper"` (default BF16, RoPE-only, three regions), `"regions"` (default, each region
             alone, the three together) or `"all"` (all 8 subsets of the three regions).
         profile: the aligned conditions' profile (the default condition always uses `none`).
-        exact: append the exact mode (`ALL_REGIONS` under `vllm-compiled-exact`).
+        exact: append the exact mode: `ALL_REGIONS` under the exact refinement of `profile`
+            (`vllm-compiled-exact`, `vllm-compiled-piecewise-exact`).
     """
+    from ..engine import exact_profile_for
+
     if which == "paper":
         sets = [(), ("rope",), PAPER_REGIONS]
     elif which == "regions":
@@ -62,7 +65,7 @@ def build_conditions(which: str, profile: str, *, exact: bool = False) -> list[C
         raise ValueError(f"Unknown condition set {which!r}; choose one of {', '.join(CONDITION_SETS)}.")
     out = [Condition(_name(s), s, "none" if not s else profile) for s in sets]
     if exact:
-        out.append(Condition("exact", ALL_REGIONS, "vllm-compiled-exact"))
+        out.append(Condition("exact", ALL_REGIONS, exact_profile_for(profile)))
     return out
 
 
@@ -94,7 +97,7 @@ def score_conditions(
         iterator = tqdm(conditions, desc="scoring conditions", unit="condition")
     for cond in iterator:
         revert_roundalign(model)
-        lanes = reduction_lanes if cond.profile == "vllm-compiled-exact" else None
+        lanes = reduction_lanes if get_profile(cond.profile).reduction == "inductor-cpu" else None
         apply_roundalign(model, cond.regions, cond.profile, backend, reduction_lanes=lanes, positions_from_mask=False)
         out[cond.name] = hf_logprobs(model, seqs)
     revert_roundalign(model)
@@ -206,7 +209,7 @@ def compare_with_engine(
     side can match) and against the sampler's decode-time log-probs (what the RL loss sees). The
     engine's own floors are measured too: sampler vs prefill, and one-at-a-time vs batched prefill.
     """
-    from ..engine import engine_info, inductor_reduction_lanes
+    from ..engine import engine_info, exact_profile_for, inductor_reduction_lanes, profile_for_engine
     from .scoring import generate_samples, vllm_prefill_logprobs
 
     if prompts is None:
@@ -218,10 +221,15 @@ def compare_with_engine(
     seqs = [s.token_ids for s in samples]
     prefill = vllm_prefill_logprobs(llm, seqs)
     lanes = None
-    if any(c.profile == "vllm-compiled-exact" for c in conditions):
+    exact = [c for c in conditions if is_exact(c.profile)]
+    if exact:
         info = engine_info(llm)
         if not info.compiled or info.platform != "cpu":
             raise ValueError("The exact condition reproduces vLLM-CPU's compiled engine; this engine is not one.")
+        engine_profile = exact_profile_for(profile_for_engine(info))
+        wrong = [c.profile for c in exact if c.profile != engine_profile]
+        if wrong:
+            raise ValueError(f"Exact condition(s) under {wrong} against an engine that runs {engine_profile}.")
         lanes = inductor_reduction_lanes(llm)
     train = score_conditions(model_path, samples, conditions, reduction_lanes=lanes, progress=progress)
     stats = condition_stats(samples, train, prefill)

@@ -9,7 +9,8 @@ transformers 5.17's forwards op for op, except where a region is switched on:
 - decoder layer and final norm: `"rmsnorm"` carries the residual stream across layers the way the
   engine does, with aligned norms. A layer returns the fp32 sum after its MLP (the engine fuses that
   add into the next norm); under `residual="fp32"` the sum is never rounded, under
-  `residual="round"` the next layer rounds it for the stream and its norm reads `r(s)` or `s`.
+  `residual="round"` and `"layer"` the next layer rounds it for the stream and its norm reads `r(s)`
+  or `s` (`"layer"` keeps the post-attention sum in fp32).
 - backbone: derives RoPE positions from a 2-D attention mask when no `position_ids` are passed
   (vLLM numbers each sequence's tokens from 0; TRL left-pads prompts and passes no positions).
 
@@ -201,7 +202,8 @@ def _stream(hidden_states: torch.Tensor, prof: Profile, dtype: torch.dtype) -> t
 
     The stream is the bf16 embedding (layer 0) or the fp32 sum `s` the previous layer returned.
     Under `residual="fp32"` both are `s`; under `residual="round"` the residual is `r(s)` and the
-    norm reads `r(s)` or `s` (`profile.norm_reads`).
+    norm reads `r(s)` or `s` (`profile.norm_reads`); under `residual="layer"` (piecewise engine: the
+    stream crosses the attention split as bf16) the residual is `r(s)` and the norm reads `s`.
     """
     if hidden_states.dtype != torch.float32 or prof.residual == "fp32":
         return hidden_states, hidden_states

@@ -7,6 +7,9 @@ Rounding per profile (ROUNDING.md), with `x̂(z) = f(z) * rstd`, `rstd = 1 / sqr
 - residual `"fp32"` (`vllm-compiled`): the residual stream is an fp32 running sum,
   `s = f(res) + f(x)`, never rounded; the norm reads `s` and `add_rms_norm` returns `s` (fp32), so
   a caller chains sublayers exactly as vLLM's compiled graph does.
+- residual `"layer"` (`vllm-compiled-piecewise`): inside `add_rms_norm` (the post-attention add) as
+  `"fp32"`; the once-per-layer rounding happens where the stream enters a layer (the input-norm add,
+  `trl_roundalign.models.decoder`), whose norm reads the fp32 sum.
 - residual `"round"` (`none`, `vllm-eager*`): `res = r(f(res) + f(x))` after every sublayer. The
   norm reads the rounded sum (`norm_reads="rounded"`: Hugging Face, vLLM's CUDA kernel) or the fp32
   sum before rounding (`norm_reads="sum"`: vLLM-CPU eager, whose fused add+norm stores `r(s)` but
@@ -220,6 +223,6 @@ def add_rms_norm(
     if backend == "triton":
         from .triton.rms_norm import add_rms_norm_triton
 
-        return add_rms_norm_triton(x, residual, weight, eps, lanes, prof.residual == "fp32")
-    fn = _AddRMSNormRef if prof.residual == "fp32" else _AddRMSNormRoundRef
+        return add_rms_norm_triton(x, residual, weight, eps, lanes, prof.residual != "round")
+    fn = _AddRMSNormRef if prof.residual != "round" else _AddRMSNormRoundRef
     return fn.apply(x, residual, weight, float(eps), lanes)
