@@ -6,16 +6,20 @@ export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 
-.PHONY: setup test test-fast demo bench lint results clean
+.PHONY: setup test test-full test-fast demo bench lint results clean
 
 setup:
 	@bash scripts/setup.sh
 
 test: setup
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not full" $(PYTEST_ARGS)
+
+# The full evidence matrices (every model x engine); results land in docs/results/.
+test-full: setup
+	$(PY) -m pytest -q --junitxml=docs/results/test-full-junit.xml $(PYTEST_ARGS)
 
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not slow and not full" $(PYTEST_ARGS)
 
 demo: setup
 	$(PY) recipes/cpu/demo.py

@@ -36,14 +36,16 @@ class RoundAlignGRPOConfig(GRPOConfig):
         metadata={
             "help": "Regions computed the engine's way: any of 'rope', 'swiglu', 'rmsnorm' (the paper's three; "
             "[] or ['none'] is the paper's default-BF16 condition, ['rope'] RoPE-only) plus 'attention' for the "
-            "exact mode (with all three, profile 'vllm-compiled-exact' or 'auto')."
+            "exact mode (with all three, profile 'auto' or an exact one: 'vllm-compiled-exact', "
+            "'vllm-compiled-piecewise-exact')."
         },
     )
     roundalign_profile: str = field(
         default="auto",
         metadata={
             "help": "Rounding profile: 'auto' (derived from the vLLM engine the trainer builds: version, compile "
-            f"mode, custom ops, enforce_eager, platform) or one of {', '.join(PROFILES)}."
+            "mode and splitting ops, custom ops, IR op priority, enforce_eager, platform, torch) or one of "
+            f"{', '.join(PROFILES)}. Checked against the engine at start-up (roundalign_verify_profile)."
         },
     )
     roundalign_backend: str | None = field(
@@ -66,6 +68,14 @@ class RoundAlignGRPOConfig(GRPOConfig):
             "help": "With bf16/fp16 parameters and no DeepSpeed/FSDP mixed precision, keep fp32 master weights in "
             "the optimizer (the forward stays on the bf16 copies, so it stays aligned). False refuses to train in "
             "that setting, since updates at lr 1e-6 round away in bf16."
+        },
+    )
+    roundalign_verify_profile: bool = field(
+        default=True,
+        metadata={
+            "help": "At start-up, score a few short sequences on the engine and on the policy under the profile and the "
+            "other candidates; stop with an error naming the better profile if another matches the engine clearly "
+            "better (exact mode: anything short of 100%% bit-identical). The result goes into mismatch.jsonl's header."
         },
     )
     log_mismatch: bool = field(

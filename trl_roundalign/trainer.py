@@ -30,15 +30,21 @@ from .callbacks import MismatchCallback
 from .config import RoundAlignGRPOConfig
 from .engine import (
     close_colocated_engine,
+    engine_build_context,
     engine_cache_root,
     engine_info,
+    exact_profile_for,
     fresh_rope_cache,
     inductor_reduction_lanes,
+    piecewise_compilation_config,
     profile_for_engine,
+    record_inductor_dir,
     scoped_cache_root,
+    wants_piecewise,
 )
 from .optim import MasterWeightsOptimizer
 from .patching import apply_roundalign, get_patch_report
+from .profiles import is_exact
 
 logger = logging.getLogger(__name__)
 
@@ -132,22 +138,32 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
                     stacklevel=2,
                 )
         cache_ctx = contextlib.nullcontext()
+        piecewise = colocate and wants_piecewise(engine_kwargs.get("compilation_config"))
+        if piecewise:
+            # vLLM's CUDA default, asked for explicitly; on vLLM-CPU it needs the compat shim and compile_sizes=[].
+            engine_kwargs["compilation_config"] = piecewise_compilation_config(engine_kwargs["compilation_config"])
         if colocate:
             apply_vllm_cpu_weight_sync_fix()
-            tag = "eager" if engine_kwargs.get("enforce_eager") else "compiled"
+            tag = "eager" if engine_kwargs.get("enforce_eager") else ("piecewise" if piecewise else "compiled")
             if "VLLM_CACHE_ROOT" not in os.environ or is_vllm_cpu():
                 cache_ctx = scoped_cache_root(engine_cache_root(tag))
         rope_ctx = fresh_rope_cache() if colocate else contextlib.nullcontext()
-        with cache_ctx, rope_ctx, _engine_options(engine_kwargs if colocate else None):
+        build_ctx = engine_build_context(engine_kwargs.get("compilation_config")) if colocate else contextlib.nullcontext()
+        with cache_ctx, rope_ctx, build_ctx, _engine_options(engine_kwargs if colocate else None):
             super().__init__(model, reward_funcs, args, *posargs, **kwargs)
 
         self.roundalign_engine = None
+        self.roundalign_verification = None
+        self._roundalign_lanes = None
         try:
             if colocate:
+                record_inductor_dir(self.vllm_generation.llm)
                 self.roundalign_engine = engine_info(self.vllm_generation.llm)
             self.roundalign_profile = self._resolve_profile(args)
             self._check_dtypes()
             self.roundalign_report = self._install_patches(args)
+            if args.roundalign_verify_profile:
+                self.roundalign_verification = self._verify_profile(args)
         except BaseException:
             self.close()  # the colocated engine is built by now; a failed trainer must not keep it
             raise
@@ -243,19 +259,19 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
         if args.roundalign_profile != "auto":
             return args.roundalign_profile
         if self.roundalign_engine is None:
-            logger.warning(
-                "roundalign_profile='auto' in vLLM server mode: the server's engine is not visible from here; assuming "
-                "'vllm-compiled' (vLLM's default). Run `trl-roundalign probe` with the server's settings to check."
+            raise ValueError(
+                "roundalign_profile='auto' needs the engine's configuration, which a vLLM server does not expose. Pass "
+                "the server's profile: 'vllm-compiled-piecewise' for `trl vllm-serve` on a GPU (vLLM's CUDA default), "
+                "'vllm-eager' with --enforce-eager; `trl-roundalign probe` measures it for other settings."
             )
-            return "vllm-compiled-exact" if wants_exact else "vllm-compiled"
         profile = profile_for_engine(self.roundalign_engine)
         if wants_exact:
-            if profile != "vllm-compiled" or self.roundalign_engine.platform != "cpu":
+            if not self.roundalign_engine.compiled or self.roundalign_engine.platform != "cpu":
                 raise ValueError(
                     "Exact mode (region 'attention') reproduces vLLM-CPU's compiled engine; this engine is "
                     f"{self.roundalign_engine.platform}/{profile}. Drop 'attention' from roundalign_regions."
                 )
-            profile = "vllm-compiled-exact"
+            profile = exact_profile_for(profile)
         return profile
 
     def _check_dtypes(self) -> None:
@@ -270,10 +286,17 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
                 "or set the engine's dtype with vllm_engine_kwargs={'dtype': ...}."
             )
 
+    def _engine_lanes(self):
+        """The colocated engine's reduction lanes (read once), or None without a compiled vLLM-CPU engine."""
+        info = self.roundalign_engine
+        if self._roundalign_lanes is None and info is not None and info.compiled and info.platform == "cpu":
+            self._roundalign_lanes = inductor_reduction_lanes(self.vllm_generation.llm)
+        return self._roundalign_lanes
+
     def _install_patches(self, args: RoundAlignGRPOConfig):
         lanes, source = None, None
-        if self.roundalign_profile == "vllm-compiled-exact" and self.roundalign_engine is not None:
-            lanes, source = inductor_reduction_lanes(self.vllm_generation.llm), "engine"
+        if is_exact(self.roundalign_profile) and self.roundalign_engine is not None:
+            lanes, source = self._engine_lanes(), "engine"
         targets = [self.model] + ([self.ref_model] if getattr(self, "ref_model", None) is not None else [])
         report = None
         for target in targets:
@@ -289,6 +312,36 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
             report = report or report_t
         logger.info("RoundAlignGRPOTrainer: %s", report)
         return report
+
+    def _verify_profile(self, args: RoundAlignGRPOConfig):
+        """Check the profile against the running engine (see `trl_roundalign.verify`); None when not checked."""
+        if not args.roundalign_regions:
+            return None  # default BF16: nothing is aligned, so no profile to check
+        if self.roundalign_engine is None:
+            logger.warning(
+                "Start-up profile verification runs in colocate mode only for now; in server mode the profile %r is "
+                "not checked against the server. Check it with `trl-roundalign probe` on the server's settings.",
+                self.roundalign_profile,
+            )
+            return None
+        from .analysis.scoring import vllm_prefill_logprobs
+        from .verify import verification_sequences, verify_profile
+
+        llm = self.vllm_generation.llm
+        sequences = verification_sequences(llm.get_tokenizer())
+        engine_logps = vllm_prefill_logprobs(llm, sequences)
+        lanes = self._engine_lanes() if self.roundalign_engine.compiled and self.roundalign_engine.platform == "cpu" else None
+        try:
+            result = verify_profile(
+                self.model, engine_logps, sequences, chosen=self.roundalign_profile, regions=args.roundalign_regions,
+                info=self.roundalign_engine, backend=args.roundalign_backend, lanes=lanes,
+            )
+        finally:
+            self.roundalign_report = self._install_patches(args)
+        logger.info(
+            "profile %s verified against the engine in %.1f s (%d tokens)", result.chosen, result.seconds, result.tokens
+        )
+        return result
 
     def roundalign_run_info(self) -> dict:
         """Versions, engine mode, profile and regions: the first line of the mismatch JSONL."""
@@ -312,6 +365,8 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
         }
         if self.roundalign_engine is not None:
             info["engine"] = self.roundalign_engine.as_dict()
+        if self.roundalign_verification is not None:
+            info["verification"] = self.roundalign_verification.as_dict()
         report = get_patch_report(self.model) if self.args.roundalign_regions or self.args.roundalign_positions_from_mask else None
         if report is not None:
             info["patched"] = report.as_dict()

@@ -208,8 +208,9 @@ def test_default_reduction_lanes_follow_the_engines_reading():
         "layers.0.self_attn.k_norm",
         "layers.0.post_attention_layernorm",
     ]
-    assert default_reduction_lanes(2, False) == [32, 32, 32, 16, 32]
-    assert default_reduction_lanes(2, True) == [32, 32, 32, 32, 32, 32, 32, 16, 32]
+    assert default_reduction_lanes(2, False, vector_floats=16) == [32, 32, 32, 16, 32]  # AVX-512
+    assert default_reduction_lanes(2, True, vector_floats=16) == [32, 32, 32, 32, 32, 32, 32, 16, 32]
+    assert default_reduction_lanes(2, False, vector_floats=8) == [16, 16, 16, 8, 16]  # AVX2
 
 
 def test_mistral_shares_the_structure():

