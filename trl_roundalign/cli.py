@@ -128,9 +128,15 @@ def cmd_env(args) -> int:
         rows["engine mode"] = f"{info.compile_mode} (enforce_eager={info.enforce_eager}, custom_ops={info.custom_ops})"
         rows["profile (auto)"] = profile_for_engine(info)
     else:
-        rows["profile (auto)"] = (
-            ("vllm-eager-cpu" if is_vllm_cpu() else "vllm-eager") if args.enforce_eager else "vllm-compiled"
-        ) + " (from the flags; --engine builds one to check)"
+        if not args.enforce_eager:
+            guess = "vllm-compiled"
+        elif is_vllm_cpu():
+            from .engine import vllm_cpu_kernel_library
+
+            guess = {"_C": "vllm-eager-cpu", "_C_AVX2": "vllm-eager-cpu-avx2"}.get(vllm_cpu_kernel_library(), "unknown")
+        else:
+            guess = "vllm-eager"
+        rows["profile (auto)"] = guess + " (from the flags; --engine builds one to check)"
     width = max(len(k) for k in rows)
     for k, v in rows.items():
         print(f"{k:<{width}}  {v}")

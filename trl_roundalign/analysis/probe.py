@@ -16,7 +16,7 @@ ops switched on or off):
    generated and scored by the engine (prefill) and by the Hugging Face model patched with the
    paper's three regions under each candidate profile; the report gives the bit-identical fraction
    and k3 against the engine's prefill log-probs, and which candidate reproduces the engine best.
-   On vLLM-CPU compiled engines the exact mode (`vllm-compiled-exact` with the `attention` region)
+   On vLLM-CPU compiled engines the exact modes (`vllm-compiled-exact`, `vllm-compiled-piecewise-exact`, with the `attention` region)
    is scored too.
 
 The verdict is the profile consistent with the most regions (all of them, when the engine is one of
@@ -56,6 +56,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "BASE_PROFILES",
+    "reduction_variants",
     "ModelLevelResult",
     "ProbeReport",
     "ProfileMatch",
@@ -69,9 +70,17 @@ __all__ = [
 ]
 
 # The profiles every region is compared with (the per-region verdict is one of these).
-BASE_PROFILES: tuple[str, ...] = ("none", "vllm-compiled", "vllm-eager", "vllm-eager-cpu")
-# Extra variants for regions with an RMSNorm reduction: vllm-compiled in Inductor's CPU order.
-REDUCTION_VARIANTS: tuple[tuple[str, int], ...] = (("vllm-compiled-exact", 32), ("vllm-compiled-exact", 16))
+BASE_PROFILES: tuple[str, ...] = ("none", "vllm-compiled", "vllm-eager", "vllm-eager-cpu", "vllm-eager-cpu-avx2")
+
+
+def reduction_variants() -> tuple[tuple[str, int], ...]:
+    """Extra variants for regions with an RMSNorm reduction: vllm-compiled in Inductor's CPU order, over two
+    vectors and one vector of this CPU's fp32 lanes (32 and 16 on AVX-512, 16 and 8 on AVX2)."""
+    from ..engine import cpu_vector_isa
+
+    isa = cpu_vector_isa()
+    vf = isa[1] if isa else 16
+    return (("vllm-compiled-exact", 2 * vf), ("vllm-compiled-exact", vf))
 # Tolerance for RMSNorm regions in torch's reduction order (reduction-order noise, not rounding).
 NORM_MIN_MATCH = 0.9999
 NORM_MAX_ULP = 1
@@ -734,7 +743,7 @@ def probe_regions(
         res = RegionResult(case.region, engine_path=case.path, shape=case.shape)
         variants: list[tuple[str, str, int | None]] = [(p, p, None) for p in BASE_PROFILES]
         if norm_region:
-            variants += [(f"{p}@{lanes}", p, lanes) for p, lanes in REDUCTION_VARIANTS]
+            variants += [(f"{p}@{lanes}", p, lanes) for p, lanes in reduction_variants()]
         with torch.no_grad():
             for label, profile, lanes in variants:
                 ref = case.reference(profile, lanes)
@@ -802,6 +811,10 @@ def _assign_best(results: Sequence[RegionResult], verdict: str | None) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
+_MODEL_PROFILES = ("vllm-compiled", "vllm-compiled-piecewise", "vllm-eager", "vllm-eager-cpu", "vllm-eager-cpu-avx2", "none")
+_EXACT_FAMILY = {"vllm-compiled-exact": "vllm-compiled", "vllm-compiled-piecewise-exact": "vllm-compiled-piecewise"}
+
+
 def _model_candidates(info) -> list[tuple[str, object, tuple[str, ...], str]]:
     """`(label, profile, regions, attention)` for every model-level candidate.
 
@@ -816,14 +829,15 @@ def _model_candidates(info) -> list[tuple[str, object, tuple[str, ...], str]]:
     from ..profiles import get_profile
 
     cands: list[tuple[str, object, tuple[str, ...], str]] = [
-        (p, p, PAPER_REGIONS, "sdpa") for p in ("vllm-compiled", "vllm-eager", "vllm-eager-cpu", "none")
+        (p, p, PAPER_REGIONS, "sdpa") for p in _MODEL_PROFILES
     ]
     if info.platform == "cpu":
-        for p in ("vllm-compiled", "vllm-eager", "vllm-eager-cpu", "none"):
+        for p in _MODEL_PROFILES:
             prof = replace(get_profile(p), attention="vllm-cpu")
             cands.append((f"{p}+attention", prof, ALL_REGIONS, "engine"))
         if info.compiled:
-            cands.append(("vllm-compiled-exact", "vllm-compiled-exact", ALL_REGIONS, "engine"))
+            for p in _EXACT_FAMILY:
+                cands.append((p, p, ALL_REGIONS, "engine"))
     return cands
 
 
@@ -866,7 +880,7 @@ def probe_model_level(
         comp = compare_with_engine(model_path, llm, conditions, **kwargs)
     except FileNotFoundError as exc:  # no Inductor C++ graph to read the reduction lanes from
         logger.warning("exact candidate dropped (%s); scoring the others", exc)
-        conditions = [c for c in conditions if c.profile != "vllm-compiled-exact"]
+        conditions = [c for c in conditions if c.profile not in _EXACT_FAMILY]
         comp = compare_with_engine(model_path, llm, conditions, **kwargs)
     out = []
     for c in conditions:
@@ -888,7 +902,7 @@ def probe_model_level(
 
 def _family(profile: str) -> str:
     """The base profile a candidate's profile refines (`vllm-compiled-exact` refines `vllm-compiled`)."""
-    return "vllm-compiled" if profile == "vllm-compiled-exact" else profile
+    return _EXACT_FAMILY.get(profile, profile)
 
 
 def _model_best(results: Sequence[ModelLevelResult], prefer: str | None = None) -> tuple[str | None, str | None, bool]:
@@ -907,7 +921,7 @@ def _model_best(results: Sequence[ModelLevelResult], prefer: str | None = None) 
         return None, None, False
     exact = [r for r in pool if r.tokens > 0 and r.bit_identical == 1.0]
     if exact:
-        top = min(exact, key=lambda r: r.profile == "vllm-compiled-exact")  # prefer a base profile
+        top = min(exact, key=lambda r: r.profile in _EXACT_FAMILY)  # prefer a base profile
         return _family(top.profile), top.candidate, True
     top = min(pool, key=lambda r: (r.k3, -r.bit_identical, _family(r.profile) != prefer))
     return _family(top.profile), None, False
@@ -1055,7 +1069,7 @@ def format_report(report: ProbeReport) -> str:
         f"custom_ops={e.get('custom_ops')}; modules from the {report.source}; {report.rows} rows, seed {report.seed}",
         "",
     ]
-    labels = list(BASE_PROFILES) + [f"{p}@{n}" for p, n in REDUCTION_VARIANTS]
+    labels = list(BASE_PROFILES) + [f"{p}@{n}" for p, n in reduction_variants()]
     head = ["region"] + labels + ["best"]
     rows = []
     for r in report.regions:
