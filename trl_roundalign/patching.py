@@ -119,6 +119,7 @@ def apply_roundalign(
     reduction_lanes: Sequence[int] | None = None,
     lanes_source: str | None = None,
     positions_from_mask: bool | None = None,
+    attention_block_size: int | None = None,
 ) -> PatchReport:
     """Install the aligned regions into `model` in place.
 
@@ -136,6 +137,9 @@ def apply_roundalign(
         lanes_source: recorded in the report (`"engine"` when read from an engine).
         positions_from_mask: derive RoPE positions from a 2-D attention mask when the caller passes
             none, as vLLM numbers tokens (default: on whenever a region is on).
+        attention_block_size: region `"attention"`: the engine's KV cache block size (it selects the
+            kernel's ISA path); default vLLM-CPU's 128. Read it from the engine:
+            `llm.llm_engine.vllm_config.cache_config.block_size`.
 
     Returns:
         A `PatchReport`. Applying the same settings again returns the same report; different
@@ -167,7 +171,7 @@ def apply_roundalign(
     if positions_from_mask is None:
         positions_from_mask = bool(regions)
     lanes_tuple = tuple(reduction_lanes) if reduction_lanes is not None else None
-    key = (regions, prof.name, backend, lanes_tuple, positions_from_mask)
+    key = (regions, prof.name, backend, lanes_tuple, positions_from_mask, attention_block_size)
     current = backbone.__dict__.get(_REPORT_ATTR)
     if current is not None:
         if current.key == key:
@@ -200,7 +204,7 @@ def apply_roundalign(
     installed: list[torch.nn.Module] = []
 
     def state(lanes: dict | None = None) -> LayerState:
-        return LayerState(regions, prof, backend, lanes or {})
+        return LayerState(regions, prof, backend, lanes or {}, attention_block_size=attention_block_size)
 
     for i, layer in enumerate(layers):
         p = f"model.layers.{i}"

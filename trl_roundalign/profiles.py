@@ -33,7 +33,7 @@ platform-dependent: `trl-roundalign probe` checks which one the installed engine
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Literal
 
 __all__ = [
@@ -115,6 +115,44 @@ class Profile:
         return asdict(self)
 
 
+def _exact(base: Profile) -> Profile:
+    """The exact refinement of a compiled profile: the engine's RMSNorm reduction order and attention kernel."""
+    return replace(
+        base,
+        name=f"{base.name}-exact",
+        reduction="inductor-cpu",
+        attention="vllm-cpu",
+        description=f"{base.name} plus the engine's RMSNorm reduction order and attention kernel (vLLM-CPU)",
+    )
+
+
+_COMPILED = Profile(
+    "vllm-compiled",
+    rope="fp32",
+    qk_norm="fp32-fused",
+    swiglu="fp32",
+    norm="fp32",
+    residual="fp32",
+    description="vLLM-CPU default (torch.compile/Inductor, one graph): one rounding per fused region, fp32 residual",
+)
+_PIECEWISE = replace(
+    _COMPILED,
+    name="vllm-compiled-piecewise",
+    residual="layer",
+    norm_reads="sum",
+    description="vLLM VLLM_COMPILE split at attention (CUDA default): fused regions, residual rounded once per layer",
+)
+_EAGER_CPU = Profile(
+    "vllm-eager-cpu",
+    rope="fp32",
+    qk_norm="hf",
+    swiglu="hf",
+    norm="hf",
+    residual="round",
+    norm_reads="sum",
+    description="vLLM-CPU enforce_eager: C++ RoPE kernel, eager PyTorch SwiGLU and RMSNorm (norm of the fp32 sum)",
+)
+
 PROFILES: dict[str, Profile] = {
     p.name: p
     for p in (
@@ -127,48 +165,10 @@ PROFILES: dict[str, Profile] = {
             residual="round",
             description="Hugging Face eager: rounds after every op (the paper's default BF16)",
         ),
-        Profile(
-            "vllm-compiled",
-            rope="fp32",
-            qk_norm="fp32-fused",
-            swiglu="fp32",
-            norm="fp32",
-            residual="fp32",
-            description="vLLM V1 default (torch.compile/Inductor): one rounding per fused region, fp32 residual",
-        ),
-        Profile(
-            "vllm-compiled-exact",
-            rope="fp32",
-            qk_norm="fp32-fused",
-            swiglu="fp32",
-            norm="fp32",
-            residual="fp32",
-            reduction="inductor-cpu",
-            attention="vllm-cpu",
-            description="vllm-compiled plus the engine's RMSNorm reduction order and attention kernel (vLLM-CPU)",
-        ),
-        Profile(
-            "vllm-compiled-piecewise",
-            rope="fp32",
-            qk_norm="fp32-fused",
-            swiglu="fp32",
-            norm="fp32",
-            residual="layer",
-            norm_reads="sum",
-            description="vLLM VLLM_COMPILE split at attention (CUDA default): fused regions, residual rounded once per layer",
-        ),
-        Profile(
-            "vllm-compiled-piecewise-exact",
-            rope="fp32",
-            qk_norm="fp32-fused",
-            swiglu="fp32",
-            norm="fp32",
-            residual="layer",
-            norm_reads="sum",
-            reduction="inductor-cpu",
-            attention="vllm-cpu",
-            description="vllm-compiled-piecewise plus the engine's RMSNorm reduction order and attention kernel (vLLM-CPU)",
-        ),
+        _COMPILED,
+        _exact(_COMPILED),
+        _PIECEWISE,
+        _exact(_PIECEWISE),
         Profile(
             "vllm-eager",
             rope="fp32",
@@ -178,24 +178,11 @@ PROFILES: dict[str, Profile] = {
             residual="round",
             description="vLLM enforce_eager with CUDA custom ops (0.31/0.32 readings; version-dependent)",
         ),
-        Profile(
-            "vllm-eager-cpu",
-            rope="fp32",
-            qk_norm="hf",
-            swiglu="hf",
-            norm="hf",
-            residual="round",
-            norm_reads="sum",
-            description="vLLM-CPU enforce_eager: C++ RoPE kernel, eager PyTorch SwiGLU and RMSNorm (norm of the fp32 sum)",
-        ),
-        Profile(
-            "vllm-eager-cpu-avx2",
+        _EAGER_CPU,
+        replace(
+            _EAGER_CPU,
+            name="vllm-eager-cpu-avx2",
             rope="fp32-trunc",
-            qk_norm="hf",
-            swiglu="hf",
-            norm="hf",
-            residual="round",
-            norm_reads="sum",
             description="vllm-eager-cpu with vLLM-CPU's AVX2 kernel library (no AVX-512): the C++ RoPE kernel truncates",
         ),
     )

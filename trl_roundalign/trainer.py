@@ -293,6 +293,12 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
             self._roundalign_lanes = inductor_reduction_lanes(self.vllm_generation.llm)
         return self._roundalign_lanes
 
+    def _engine_block_size(self) -> int | None:
+        """The colocated engine's KV cache block size (selects vLLM-CPU's attention kernel path)."""
+        if self.roundalign_engine is None:
+            return None
+        return int(self.vllm_generation.llm.llm_engine.vllm_config.cache_config.block_size)
+
     def _install_patches(self, args: RoundAlignGRPOConfig):
         lanes, source = None, None
         if is_exact(self.roundalign_profile) and self.roundalign_engine is not None:
@@ -308,6 +314,7 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
                 reduction_lanes=lanes,
                 lanes_source=source,
                 positions_from_mask=args.roundalign_positions_from_mask,
+                attention_block_size=self._engine_block_size() if "attention" in args.roundalign_regions else None,
             )
             report = report or report_t
         logger.info("RoundAlignGRPOTrainer: %s", report)
@@ -335,6 +342,7 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
             result = verify_profile(
                 self.model, engine_logps, sequences, chosen=self.roundalign_profile, regions=args.roundalign_regions,
                 info=self.roundalign_engine, backend=args.roundalign_backend, lanes=lanes,
+                attention_block_size=self._engine_block_size(),
             )
         finally:
             self.roundalign_report = self._install_patches(args)

@@ -80,7 +80,7 @@ def verification_sequences(tokenizer, *, max_len: int = 48) -> list[list[int]]:
     return seqs
 
 
-def _score(model, sequences, engine_logps, regions, profile, backend, lanes) -> CandidateScore:
+def _score(model, sequences, engine_logps, regions, profile, backend, lanes, block_size) -> CandidateScore:
     from .analysis.scoring import hf_logprobs
     from .patching import apply_roundalign, revert_roundalign
 
@@ -89,7 +89,7 @@ def _score(model, sequences, engine_logps, regions, profile, backend, lanes) -> 
     use_lanes = lanes if prof.reduction == "inductor-cpu" else None
     apply_roundalign(
         model, regions, profile, backend, reduction_lanes=use_lanes, lanes_source="engine" if use_lanes else None,
-        positions_from_mask=False,
+        positions_from_mask=False, attention_block_size=block_size if prof.attention == "vllm-cpu" else None,
     )
     mine = hf_logprobs(model, sequences)
     width = max(len(x) for x in mine)
@@ -127,6 +127,7 @@ def verify_profile(
     info=None,
     backend: str | None = None,
     lanes=None,
+    attention_block_size: int | None = None,
 ) -> Verification:
     """Score `sequences` under the chosen profile and the candidates; raise `ProfileMismatch` on a mismatch.
 
@@ -140,6 +141,7 @@ def verify_profile(
         regions: the run's regions (the chosen profile is scored with them).
         info: the engine's `EngineInfo` (None in server mode: candidates for a GPU engine).
         backend, lanes: kernel backend, and the engine's reduction lanes (exact profiles).
+        attention_block_size: the engine's KV cache block size (exact profiles' attention kernel).
     """
     start = time.perf_counter()
     regions = tuple(regions)
@@ -149,16 +151,16 @@ def verify_profile(
     base_regions = tuple(r for r in regions if r != "attention") or ("rope", "swiglu", "rmsnorm")
     scores: list[CandidateScore] = []
     with torch.no_grad():
-        chosen_score = _score(model, sequences, engine_logps, regions, chosen, backend, lanes)
+        chosen_score = _score(model, sequences, engine_logps, regions, chosen, backend, lanes, attention_block_size)
         scores.append(chosen_score)
         for p in bases:
             if p != chosen or regions != base_regions:
-                scores.append(_score(model, sequences, engine_logps, base_regions, p, backend, lanes))
+                scores.append(_score(model, sequences, engine_logps, base_regions, p, backend, lanes, attention_block_size))
         exact_scores = []
         if lanes is not None:
             for p in exacts:
                 if p != chosen:
-                    exact_scores.append(_score(model, sequences, engine_logps, ALL_REGIONS, p, backend, lanes))
+                    exact_scores.append(_score(model, sequences, engine_logps, ALL_REGIONS, p, backend, lanes, attention_block_size))
             scores.extend(exact_scores)
     tokens = sum(len(x) for x in engine_logps)
     result = Verification(chosen, None, scores, tokens, 0.0)

@@ -8,8 +8,8 @@ For each model: vLLM generates, vLLM scores the same sequences (prompt log-probs
 Face model scores them under each condition, with the profile `profile_for_engine` derives from the
 engine. Statistics are over completion tokens, against vLLM's prefill scoring. Claims:
 
-- the paper's three regions lower k3 on every model (>= 35% on SmolLM2, >= 3x on the peaked Qwen3 on
-  the one-graph engine, with sdpa attention);
+- the paper's three regions lower k3 on every model (>= 35% on SmolLM2, >= 2x on the peaked Qwen3 with
+  sdpa attention, >= 10x there with the engine's attention kernel, which isolates the rounding locations);
 - the exact mode reproduces vLLM's log-probs bit for bit (k3 = 0, 100% identical) on every model and
   both engines, on whatever CPU ISA runs the suite.
 
@@ -18,11 +18,13 @@ engine. Statistics are over completion tokens, against vLLM's prefill scoring. C
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from trl_roundalign.analysis.compare import Condition, build_conditions, compare_with_engine
 from trl_roundalign.local_models import peaked_qwen3, smollm2_135m, tiny_model
-from trl_roundalign.profiles import PAPER_REGIONS
+from trl_roundalign.profiles import ALL_REGIONS, PAPER_REGIONS, get_profile
 
 pytestmark = pytest.mark.vllm
 
@@ -48,6 +50,12 @@ IN_MAKE_TEST = {
     "whole": {"tiny-qwen3", "tiny-llama-odd", "peaked-qwen3", "smollm2-135m"},
     "piecewise": {"tiny-qwen2-odd", "tiny-qwen3", "smollm2-135m"},
 }
+CHAT = (
+    "Write a haiku about the sea.",
+    "Explain in two sentences why the sky is blue.",
+    "List three unusual uses for a paperclip.",
+    "How do you say 'good morning' in French and in Spanish?",
+)
 ENGINE_PROFILE = {"whole": "vllm-compiled", "piecewise": "vllm-compiled-piecewise"}
 _cache: dict[tuple[str, str], object] = {}
 
@@ -65,9 +73,21 @@ def comparison(name: str, engine: str = "whole"):
         # The same regions under the other compiled profile: which residual stream matches this engine better.
         other = next(p for e, p in ENGINE_PROFILE.items() if e != engine)
         conditions.append(Condition("three_region_other_profile", PAPER_REGIONS, other))
+        # The three regions with the engine's attention kernel (torch's reduction order): the rounding locations
+        # alone, with the attention kernel's differences (sdpa vs vLLM-CPU's kernel, which vary by ISA) held equal.
+        for label, prof in (("three_region+engine_attention", profile), ("three_region+engine_attention@other", other)):
+            conditions.append(Condition(label, ALL_REGIONS, replace(get_profile(prof), attention="vllm-cpu")))
         _cache[name, engine] = compare_with_engine(
             path, llm, conditions, num_prompts=4, samples_per_prompt=2, max_new_tokens=48, seed=0, floors=False
         )
+        if name == "smollm2-135m":  # a real chat model: also prompts unlike the packaged arithmetic set
+            tok = llm.get_tokenizer()
+            prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True) for t in CHAT]
+            prompts = [list(p["input_ids"] if isinstance(p, dict) or hasattr(p, "input_ids") else p) for p in prompts]
+            exact = [c for c in conditions if c.name == "exact"]
+            _cache[name, engine, "chat"] = compare_with_engine(
+                path, llm, exact, prompts=prompts, samples_per_prompt=2, max_new_tokens=48, seed=1, floors=False
+            )
         close_llm(llm)
     return _cache[name, engine]
 
@@ -97,6 +117,17 @@ def test_exact_mode_reproduces_vllm_bit_for_bit(name, engine):
     assert stats["mismatch/abs_logp_diff/max"] == 0.0
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["whole", "piecewise"])
+def test_exact_mode_on_other_chat_prompts(engine):
+    """SmolLM2 on general chat prompts (not the arithmetic set): still bit for bit."""
+    comparison("smollm2-135m", engine)
+    stats = _cache["smollm2-135m", engine, "chat"].stats["exact"]["vs_prefill"]
+    assert stats["mismatch/tokens"] > 100
+    assert stats["mismatch/frac_bitwise_equal"] == 1.0, stats
+    assert stats["mismatch/kl_k3"] == 0.0
+
+
 @pytest.mark.parametrize(("name", "engine"), params())
 def test_three_regions_lower_the_mismatch(name, engine):
     comp = comparison(name, engine)
@@ -105,8 +136,21 @@ def test_three_regions_lower_the_mismatch(name, engine):
     assert three < default, {c: k3(comp, c) for c in comp.stats}
     if name == "smollm2-135m":
         assert three <= 0.65 * default, f"SmolLM2: three-region k3 {three:.3e} vs default {default:.3e}"
-    if name == "peaked-qwen3" and engine == "whole":
-        assert three <= default / 3, f"peaked Qwen3: three-region k3 {three:.3e} vs default {default:.3e}"
+    if name == "peaked-qwen3":
+        # With sdpa the rest is mostly attention: sdpa vs vLLM-CPU's kernel differs by ISA (three regions: 3.8x
+        # lower on AVX-512, 2.3x on AVX2). With the engine's kernel the rounding locations alone: about 20x.
+        assert three <= default / 2, f"peaked Qwen3: three-region k3 {three:.3e} vs default {default:.3e}"
+        held = k3(comp, "three_region+engine_attention")
+        assert held <= default / 10, f"peaked Qwen3, engine attention: three-region k3 {held:.3e} vs default {default:.3e}"
+
+
+@pytest.mark.parametrize(("name", "engine"), params())
+def test_the_engines_residual_stream_matches_it_better(name, engine):
+    """The three regions under the engine's own profile beat them under the other compiled profile (one graph:
+    residual never rounded; pieces: rounded once per layer), with the engine's attention kernel on both sides."""
+    comp = comparison(name, engine)
+    own, other = k3(comp, "three_region+engine_attention"), k3(comp, "three_region+engine_attention@other")
+    assert own < other, {c: k3(comp, c) for c in comp.stats}
 
 
 def test_engine_reduction_lanes_match_the_default_reading():

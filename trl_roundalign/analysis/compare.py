@@ -75,6 +75,7 @@ def score_conditions(
     conditions: Sequence[Condition],
     *,
     reduction_lanes: Sequence[int] | None = None,
+    attention_block_size: int | None = None,
     attn_implementation: str = "sdpa",
     backend: str | None = None,
     progress: bool = False,
@@ -98,7 +99,11 @@ def score_conditions(
     for cond in iterator:
         revert_roundalign(model)
         lanes = reduction_lanes if get_profile(cond.profile).reduction == "inductor-cpu" else None
-        apply_roundalign(model, cond.regions, cond.profile, backend, reduction_lanes=lanes, positions_from_mask=False)
+        block = attention_block_size if get_profile(cond.profile).attention == "vllm-cpu" else None
+        apply_roundalign(
+            model, cond.regions, cond.profile, backend, reduction_lanes=lanes, positions_from_mask=False,
+            attention_block_size=block,
+        )
         out[cond.name] = hf_logprobs(model, seqs)
     revert_roundalign(model)
     return out
@@ -226,7 +231,10 @@ def compare_with_engine(
         if not info.compiled or info.platform != "cpu":
             raise ValueError("The exact condition reproduces vLLM-CPU's compiled engine; this engine is not one.")
         lanes = inductor_reduction_lanes(llm)
-    train = score_conditions(model_path, samples, conditions, reduction_lanes=lanes, progress=progress)
+    block = llm.llm_engine.vllm_config.cache_config.block_size
+    train = score_conditions(
+        model_path, samples, conditions, reduction_lanes=lanes, attention_block_size=block, progress=progress
+    )
     stats = condition_stats(samples, train, prefill)
     floor_stats: dict[str, dict[str, float]] = {}
     if floors:

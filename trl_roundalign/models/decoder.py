@@ -19,6 +19,7 @@ Nothing here adds, replaces or renames parameters.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 
@@ -39,6 +40,7 @@ class LayerState:
     backend: str | None
     lanes: dict[str, int | None] = field(default_factory=dict)
     originals: dict[str, object] = field(default_factory=dict)
+    attention_block_size: int | None = None
 
 
 def _state(module) -> LayerState:
@@ -105,6 +107,8 @@ def aligned_attention_forward(
         from ..ops.attention import hf_attention_interface
 
         attention_interface = hf_attention_interface
+        if st.attention_block_size is not None:
+            attention_interface = functools.partial(hf_attention_interface, block_size=st.attention_block_size)
     else:
         if "attention" in st.regions:
             _warn_cached_decoding(self.config._attn_implementation)
