@@ -43,6 +43,7 @@ def test_committed_outputs_are_small():
 
 @pytest.mark.slow
 @pytest.mark.vllm
+@pytest.mark.full  # SmolLM2 GRPO steps take minutes each on an AVX2 2-core CPU: `make test-full`
 def test_notebook_runs_in_smoke_mode():
     pytest.importorskip("nbmake")
     cmd = [
