@@ -20,6 +20,7 @@ import os
 import platform
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from trl_roundalign.engine import set_offline_defaults
@@ -43,7 +44,7 @@ def main(argv=None) -> int:
     from trl_roundalign.analysis.compare import Condition, build_conditions, compare_with_engine
     from trl_roundalign.engine import build_llm, close_llm, cpu_vector_isa, engine_info, profile_for_engine
     from trl_roundalign.local_models import resolve_model
-    from trl_roundalign.profiles import PAPER_REGIONS
+    from trl_roundalign.profiles import ALL_REGIONS, PAPER_REGIONS, get_profile
 
     other = {"vllm-compiled": "vllm-compiled-piecewise", "vllm-compiled-piecewise": "vllm-compiled"}
     rows, started = [], time.time()
@@ -56,10 +57,15 @@ def main(argv=None) -> int:
             profile = profile_for_engine(engine_info(llm))
             conditions = build_conditions("regions", profile, exact=True)
             conditions.append(Condition("three_region@other", PAPER_REGIONS, other[profile]))
+            # The three regions with the engine's attention kernel: the rounding locations alone (sdpa vs the
+            # engine's attention kernel differs by CPU ISA), under this engine's profile and the other one.
+            for label, prof in (("three_region+engine_attn", profile), ("three_region+engine_attn@other", other[profile])):
+                conditions.append(Condition(label, ALL_REGIONS, replace(get_profile(prof), attention="vllm-cpu")))
             comp = compare_with_engine(path, llm, conditions, num_prompts=4, samples_per_prompt=4, max_new_tokens=64, seed=0)
             for c in conditions:
                 s = comp.stats[c.name]["vs_prefill"]
-                rows.append({"model": name, "engine": engine, "condition": c.name, "regions": list(c.regions), "profile": c.profile, **s})
+                prof_name = getattr(c.profile, "name", c.profile)
+                rows.append({"model": name, "engine": engine, "condition": c.name, "regions": list(c.regions), "profile": prof_name, **s})
             for floor, s in comp.floors.items():
                 rows.append({"model": name, "engine": engine, "condition": f"floor:{floor}", "regions": [], "profile": "engine", **s})
             print(f"{engine} {name}: done ({time.time() - started:.0f} s)", file=sys.stderr)

@@ -18,7 +18,7 @@ BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 # interpreter, its own tree on a GPU), torch with its own vectorised order. rstd then differs by 1 fp32
 # ulp in about 18% of rows, which flips a bf16 output only when it lies that close to a rounding
 # boundary: measured 2.5e-6 to 4.7e-6 of outputs (hidden 96-1536, 4000 rows, interpreter). The
-# contract allows any order here (ROUNDING.md: 0.001-0.004% of outputs); the bound below is 20x the
+# contract allows any order here (docs/numerics.md: 0.001-0.004% of outputs); the bound below is 20x the
 # measured rate plus two elements for small tensors, and every flip must be exactly 1 ulp.
 # `lanes=16/32` must be exact.
 UNORDERED_SUM_FLIP_RATE = 1e-4

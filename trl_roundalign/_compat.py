@@ -7,7 +7,7 @@ kernel) and leaves behind an empty parameter without `weight_loader`. TRL's colo
 `AttributeError: 'Parameter' object has no attribute 'weight_loader'`, and the lm_head's packed
 copy would go stale. The fix replaces that dispatcher, before the engine is built, with one that
 computes `F.linear` on the live weight: the synced weights are used as they arrive, and vLLM's
-linears then equal Hugging Face's bit for bit (ROUNDING.md: the packed kernel differs on about
+linears then equal Hugging Face's bit for bit (docs/numerics.md: the packed kernel differs on about
 1e-4 of outputs when the inner dimension is 576 or more).
 """
 

@@ -1,15 +1,18 @@
 """What we read from, and set on, the vLLM engine: mode, profile detection, compile caches.
 
-The engine facts flow into the profile choice once, at start:
+Measure the engine, never assume it. The engine facts flow into the profile choice once, at start:
 
 - `build_llm`: an in-process `vllm.LLM` in bf16 with the CPU weight-sync fix and its own compile
   cache (vLLM's compile cache keys do not notice monkeypatches of its Python code, so an engine
-  built with the fix must not reuse a graph compiled without it, and vice versa).
-- `engine_info` / `profile_for_engine`: version, platform, compile mode, custom ops and
-  `enforce_eager` of a built engine, and the rounding profile that engine implies.
+  built with the fix must not reuse a graph compiled without it, and vice versa); `piecewise=True`
+  builds vLLM-CPU the way vLLM compiles on CUDA (graph split at attention).
+- `engine_info` / `profile_for_engine`: compile mode, splitting ops, graph partitioning, custom ops,
+  IR op priority, backend, `enforce_eager`, platform, vLLM and torch versions, the CPU's vector ISA
+  and vLLM-CPU's kernel library of a built engine, and the rounding profile that engine implies; a
+  configuration nobody measured raises `UnknownEngineConfiguration`.
 - `inductor_reduction_lanes`: the lane count of every RMSNorm reduction in the engine's compiled
-  graph, read from the C++ that Inductor wrote into the compile cache (ROUNDING.md: "read it,
-  don't guess").
+  graph, read from the loop steps of the C++ that Inductor wrote for it and checked against this
+  CPU's vector width (docs/numerics.md, "The exact mode").
 """
 
 from __future__ import annotations

@@ -392,7 +392,7 @@ def test_rms_norm_matches_vllm_compiled(hidden):
 
 @pytest.mark.parametrize("hidden", [1536, 4096])
 def test_fused_add_rms_norm_matches_vllm_compiled(hidden):
-    """One compiled add+norm returns `r(s)` and normalises the unrounded fp32 sum (ROUNDING.md)."""
+    """One compiled add+norm returns `r(s)` and normalises the unrounded fp32 sum (docs/numerics.md)."""
     x, res, w = _randn((2048, hidden), BF16, 82), _randn((2048, hidden), BF16, 83, 4.0), _weight(hidden, BF16, 84)
     ey, eres = _compiled(lambda a, r, b: vllm_fused_add_rms_norm(a, r, b, EPS))(x, res, w)
     gy, gs = add_rms_norm(x, res.float(), w, EPS, profile="vllm-compiled", backend="triton")

@@ -12,7 +12,7 @@ ops switched on or off):
    otherwise. Each output is compared bit for bit with `trl_roundalign.ops` under every profile
    (for RMSNorm regions also in Inductor's CPU reduction order, 32 and 16 lanes).
 2. **Model level** (optional). Per-op comparison cannot see how the whole compiled graph treats
-   the residual stream (ROUNDING.md: it drops the residual's bf16 rounding). So a few sequences are
+   the residual stream (docs/numerics.md: it drops the residual's bf16 rounding). So a few sequences are
    generated and scored by the engine (prefill) and by the Hugging Face model patched with the
    paper's three regions under each candidate profile; the report gives the bit-identical fraction
    and k3 against the engine's prefill log-probs, and which candidate reproduces the engine best.
@@ -26,7 +26,7 @@ the profiles); it is compared with what `profile="auto"` picks for the same conf
 Match rules: a profile *matches* a region when every output element is bit-identical, or, for
 RMSNorm regions in torch's reduction order (every profile except the Inductor-lane variants), when
 at least 99.99% are and none is off by more than one ulp (a different summation order of
-`mean(x^2)` is not a rounding location, ROUNDING.md).
+`mean(x^2)` is not a rounding location, docs/numerics.md).
 
 A vLLM quirk the probe guards against: `get_rope` caches `RotaryEmbedding` instances per process,
 so a second engine in the same process reuses the first engine's RoPE module, with the first

@@ -1,6 +1,6 @@
 """RMSNorm and residual-add + RMSNorm regions.
 
-Rounding per profile (ROUNDING.md), with `x̂(z) = f(z) * rstd`, `rstd = 1 / sqrt(sum(f(z)^2) / n + eps)`:
+Rounding per profile (docs/numerics.md), with `x̂(z) = f(z) * rstd`, `rstd = 1 / sqrt(sum(f(z)^2) / n + eps)`:
 
 - norm `"fp32"` (`vllm-compiled`, `vllm-eager` CUDA): output `r(x̂ * f(w))`, one rounding.
 - norm `"hf"` (`none`, `vllm-eager-cpu`): output `r(f(w) * f(r(x̂)))`, Hugging Face's two roundings.

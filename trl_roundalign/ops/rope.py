@@ -8,7 +8,7 @@ bf16 cos/sin table is bit-identical to Hugging Face's bf16 cos/sin).
   `o2 = r(f(x2) f(c) + f(x1) f(s))`, one rounding. The cos/sin values are the bf16 table upcast:
   an fp32 table is *not* aligned.
 - rope `"fp32-trunc"` (`vllm-eager-cpu-avx2`): the same fp32 rotation, truncated to bf16 (vLLM-CPU's
-  AVX2 kernel library converts that way; measured 100% identical on an AVX2 CPU, 51% with rounding).
+  AVX2 kernel library converts that way; `trl-roundalign probe --enforce-eager` on an AVX2 CPU: 100% identical, 50.74% with rounding).
 - rope `"hf"` (`none`): `x * cos + rotate_half(x) * sin` in bf16: three roundings.
 - `qk_norm_rope` under q/k-norm `"fp32-fused"` (`vllm-compiled`): `q̂ = x̂(q) * f(w)` stays fp32 and
   feeds the rotation; the only rounding is the final one. `"round-once"` (`vllm-eager` CUDA)

@@ -1,6 +1,6 @@
 """SwiGLU region: `silu(gate) * up`.
 
-Rounding per profile (ROUNDING.md):
+Rounding per profile (docs/numerics.md):
 
 - `"fp32"` (`vllm-compiled`): `r(silu(f(g)) * f(u))`, silu computed in fp32 as
   `g / (exp(-g) + 1)` (Inductor's lowering), one rounding.

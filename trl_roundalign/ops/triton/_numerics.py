@@ -1,7 +1,7 @@
 """Triton building blocks shared by the aligned kernels: the single rounding, `rstd`, Inductor's sum order.
 
 Every kernel loads 16-bit values, upcasts them to fp32 at once, computes in fp32 and rounds once, at the
-store (ROUNDING.md, "Triton notes"). What differs between a GPU and the CPU interpreter is chosen by the
+store (docs/numerics.md). What differs between a GPU and the CPU interpreter is chosen by the
 `INTERPRET` constexpr each kernel receives:
 
 - rounding fp32 -> bf16: `.to(tl.bfloat16)` on a GPU (round-to-nearest-even); the interpreter truncates
