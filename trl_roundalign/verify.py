@@ -110,8 +110,10 @@ def candidate_profiles(info) -> tuple[list[str], list[str]]:
     if info is not None and info.platform == "cpu" and info.compiled:
         from .ops.attention import vllm_cpu_attention_available
 
-        exact = ["vllm-compiled-exact", "vllm-compiled-piecewise-exact"] if vllm_cpu_attention_available() else []
-        return ["vllm-compiled", "vllm-compiled-piecewise", "vllm-eager-cpu", "vllm-eager-cpu-avx2", "none"], exact
+        if vllm_cpu_attention_available():
+            # The two exact refinements decide bit for bit; scoring the base profiles too would only add cost.
+            return [], ["vllm-compiled-exact", "vllm-compiled-piecewise-exact"]
+        return ["vllm-compiled", "vllm-compiled-piecewise", "vllm-eager-cpu", "vllm-eager-cpu-avx2", "none"], []
     if info is not None and info.platform == "cpu":
         return ["vllm-eager-cpu", "vllm-eager-cpu-avx2", "vllm-compiled", "vllm-compiled-piecewise", "none"], []
     return ["vllm-compiled-piecewise", "vllm-compiled", "vllm-eager", "none"], []
@@ -191,6 +193,13 @@ def verify_profile(
                     f"(its exact mode {exact_hits[0]} is bit-identical to the engine). Set roundalign_profile="
                     f"'{result.engine_profile}' or 'auto'."
                 )
+        elif exact_scores:
+            best = max(exact_scores, key=lambda s: s.frac_bitwise_equal)
+            fail(
+                f"Neither exact refinement reproduces this engine bit for bit (best: {best.profile}, "
+                f"{best.frac_bitwise_equal:.1%}): it rounds somewhere no profile describes. Run `trl-roundalign probe` "
+                "with the same engine settings, or set roundalign_verify_profile=False to train unverified."
+            )
         else:
             others = [s for s in scores[1:] if s.regions == list(base_regions) and s.profile != chosen_base]
             best = min(others, key=lambda s: s.kl_k3, default=None)
