@@ -244,13 +244,15 @@ def test_demo_table_and_summary(demo):
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_cpu_recipe_two_steps_through_accelerate_launch(tmp_path):
-    """The CPU demo's recipe, 2 GRPO steps, launched the way the demo and README launch it."""
+@pytest.mark.parametrize("model", ["peaked-qwen3", pytest.param("smollm2-135m", marks=pytest.mark.full)])
+def test_cpu_recipe_two_steps_through_accelerate_launch(tmp_path, model):
+    """The CPU demo's recipe, 2 GRPO steps, launched the way the demo and README launch it (`make test`: on a
+    tiny model; the recipe's own SmolLM2, about 1.5 min per step on an AVX2 2-core CPU, in `make test-full`)."""
     out = tmp_path / "run"
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_ACCELERATE),
         "recipes/grpo.py", "--config", str(CPU_RECIPE), "--max_steps", "2", "--output_dir", str(out),
-        "--save_final_model", "false",
+        "--save_final_model", "false", "--model_name_or_path", model,
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
