@@ -131,9 +131,9 @@ def cmd_env(args) -> int:
         if not args.enforce_eager:
             guess = "vllm-compiled"
         elif is_vllm_cpu():
-            from .engine import vllm_cpu_kernel_library
+            from .engine import EAGER_CPU_PROFILES, vllm_cpu_kernel_library
 
-            guess = {"_C": "vllm-eager-cpu", "_C_AVX2": "vllm-eager-cpu-avx2"}.get(vllm_cpu_kernel_library(), "unknown")
+            guess = EAGER_CPU_PROFILES.get(vllm_cpu_kernel_library(), "unknown")
         else:
             guess = "vllm-eager"
         rows["profile (auto)"] = guess + " (from the flags; --engine builds one to check)"

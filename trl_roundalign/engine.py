@@ -39,6 +39,8 @@ __all__ = [
     "engine_info",
     "fresh_rope_cache",
     "inductor_reduction_lanes",
+    "EAGER_CPU_PROFILES",
+    "EXACT_REFINEMENTS",
     "UnknownEngineConfiguration",
     "cpu_vector_isa",
     "exact_profile_for",
@@ -403,11 +405,9 @@ def profile_for_engine(info: EngineInfo) -> str:
         if info.platform != "cpu":
             return "vllm-eager"
         library = vllm_cpu_kernel_library()
-        if library == "_C":
-            return "vllm-eager-cpu"
-        if library == "_C_AVX2":
-            return "vllm-eager-cpu-avx2"
-        refuse(f"eager kernels come from vLLM-CPU's {library} library (measured: _C with AVX512-BF16, _C_AVX2)")
+        if library in EAGER_CPU_PROFILES:
+            return EAGER_CPU_PROFILES[library]
+        refuse(f"eager kernels come from vLLM-CPU's {library} library (measured: {', '.join(EAGER_CPU_PROFILES)})")
     if info.torch_version and _minor(info.torch_version) not in KNOWN_TORCH:
         # Inductor's handling of explicit casts inside fused regions changed across 2026 torch releases.
         refuse(f"torch is {info.torch_version} (Inductor numerics measured with torch {', '.join(KNOWN_TORCH)})")
@@ -429,6 +429,12 @@ def profile_for_engine(info: EngineInfo) -> str:
     raise AssertionError("unreachable")
 
 
+# vLLM-CPU's eager engine, by the kernel library it loads (measured ones only; docs/numerics.md).
+EAGER_CPU_PROFILES = {"_C": "vllm-eager-cpu", "_C_AVX2": "vllm-eager-cpu-avx2"}
+# The compiled profiles and their exact refinements.
+EXACT_REFINEMENTS = {"vllm-compiled-exact": "vllm-compiled", "vllm-compiled-piecewise-exact": "vllm-compiled-piecewise"}
+
+
 def vllm_cpu_kernel_library() -> str:
     """Which of vLLM-CPU's x86 kernel libraries this process loads (`CpuPlatform.import_kernels`' choice).
 
@@ -447,10 +453,9 @@ def vllm_cpu_kernel_library() -> str:
 
 def exact_profile_for(profile: str) -> str:
     """The exact-mode refinement of a compiled profile (`vllm-compiled` -> `vllm-compiled-exact`)."""
-    if profile in ("vllm-compiled", "vllm-compiled-piecewise"):
-        return f"{profile}-exact"
-    if profile.endswith("-exact"):
-        return profile
+    for exact, base in EXACT_REFINEMENTS.items():
+        if profile in (exact, base):
+            return exact
     raise ValueError(
         f"Exact mode reproduces vLLM-CPU's compiled engines (profiles vllm-compiled, vllm-compiled-piecewise); "
         f"{profile!r} has no exact refinement. Drop 'attention' from the regions."

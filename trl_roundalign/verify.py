@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from . import metrics
+from .engine import EXACT_REFINEMENTS
 from .profiles import ALL_REGIONS, get_profile, is_exact
 
 logger = logging.getLogger(__name__)
@@ -112,7 +113,7 @@ def candidate_profiles(info) -> tuple[list[str], list[str]]:
 
         if vllm_cpu_attention_available():
             # The two exact refinements decide bit for bit; scoring the base profiles too would only add cost.
-            return [], ["vllm-compiled-exact", "vllm-compiled-piecewise-exact"]
+            return [], list(EXACT_REFINEMENTS)
         return ["vllm-compiled", "vllm-compiled-piecewise", "vllm-eager-cpu", "vllm-eager-cpu-avx2", "none"], []
     if info is not None and info.platform == "cpu":
         return ["vllm-eager-cpu", "vllm-eager-cpu-avx2", "vllm-compiled", "vllm-compiled-piecewise", "none"], []
@@ -166,7 +167,6 @@ def verify_profile(
             scores.extend(exact_scores)
     tokens = sum(len(x) for x in engine_logps)
     result = Verification(chosen, None, scores, tokens, 0.0)
-    base_of = {"vllm-compiled-exact": "vllm-compiled", "vllm-compiled-piecewise-exact": "vllm-compiled-piecewise"}
 
     def fail(message: str):
         result.seconds = time.perf_counter() - start
@@ -186,7 +186,7 @@ def verify_profile(
         exact_hits = [s.profile for s in exact_scores if s.frac_bitwise_equal == 1.0]
         chosen_base = get_profile(chosen).name
         if exact_hits:
-            result.engine_profile = base_of[exact_hits[0]]
+            result.engine_profile = EXACT_REFINEMENTS[exact_hits[0]]
             if chosen_base != result.engine_profile:
                 fail(
                     f"roundalign_profile={chosen!r} does not describe this engine: {result.engine_profile} does "

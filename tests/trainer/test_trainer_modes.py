@@ -22,9 +22,9 @@ pytestmark = pytest.mark.vllm
 
 
 def _eager_cpu_profile() -> str:
-    from trl_roundalign.engine import vllm_cpu_kernel_library
+    from trl_roundalign.engine import EAGER_CPU_PROFILES, vllm_cpu_kernel_library
 
-    return "vllm-eager-cpu-avx2" if vllm_cpu_kernel_library() == "_C_AVX2" else "vllm-eager-cpu"
+    return EAGER_CPU_PROFILES[vllm_cpu_kernel_library()]
 
 
 @pytest.mark.parametrize(

@@ -49,6 +49,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .. import ops
+from ..engine import EXACT_REFINEMENTS as _EXACT_FAMILY
 from ..engine import fresh_rope_cache
 from ..profiles import ALL_REGIONS, PAPER_REGIONS
 
@@ -812,7 +813,6 @@ def _assign_best(results: Sequence[RegionResult], verdict: str | None) -> None:
 
 
 _MODEL_PROFILES = ("vllm-compiled", "vllm-compiled-piecewise", "vllm-eager", "vllm-eager-cpu", "vllm-eager-cpu-avx2", "none")
-_EXACT_FAMILY = {"vllm-compiled-exact": "vllm-compiled", "vllm-compiled-piecewise-exact": "vllm-compiled-piecewise"}
 
 
 def _model_candidates(info) -> list[tuple[str, object, tuple[str, ...], str]]:
