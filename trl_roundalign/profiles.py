@@ -66,6 +66,7 @@ ResidualMode = Literal["round", "fp32", "layer"]
 NormReads = Literal["rounded", "sum"]
 ReductionMode = Literal["torch", "inductor-cpu"]
 AttentionMode = Literal["unchanged", "vllm-cpu"]
+GpuKernels = Literal["eager", "inductor"]
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,10 @@ class Profile:
             per fused kernel; callers pass the per-norm value).
         attention: `"unchanged"` keeps the model's attention; `"vllm-cpu"` computes its forward
             with vLLM-CPU's attention kernel.
+        gpu_kernels: the device arithmetic of the Triton forward kernels on a GPU. `"eager"`: eager
+            CUDA ops (correctly rounded division, no FMA contraction); `"inductor"`: Inductor-generated
+            Triton, what a compiled engine runs on a GPU (`div.full.f32` division unless Inductor's
+            division rounding is on, FMA contraction). The CPU reference is the same for both.
         description: one line for reports.
     """
 
@@ -109,6 +114,7 @@ class Profile:
     reduction: ReductionMode = "torch"
     reduction_lanes: int = 32
     attention: AttentionMode = "unchanged"
+    gpu_kernels: GpuKernels = "eager"
     description: str = ""
 
     def as_dict(self) -> dict:
@@ -133,6 +139,7 @@ _COMPILED = Profile(
     swiglu="fp32",
     norm="fp32",
     residual="fp32",
+    gpu_kernels="inductor",
     description="vLLM-CPU default (torch.compile/Inductor, one graph): one rounding per fused region, fp32 residual",
 )
 _PIECEWISE = replace(

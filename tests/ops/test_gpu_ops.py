@@ -14,11 +14,13 @@ Two references, on CUDA tensors:
    configuration, as vLLM compiles them.
 
 What only a GPU can tell (read from torch 2.13's Inductor source, not measured): Inductor's Triton code
-computes `x / y` with the approximate `div.full.f32` unless `eager_numerics.division_rounding` is set (the
-kernels divide with `div_rn`, as eager torch does), and compiles with FMA contraction enabled (the kernels
-disable it, as the eager reference never fuses), while `exp` and `rsqrt` are libdevice in both. The SwiGLU
-test against Inductor runs with the default division and with `division_rounding=True`, so a failure says
-which of the two explains it. These are bitwise claims: a failing test prints the ulp histogram.
+computes `x / y` with the approximate `div.full.f32` unless `eager_numerics.division_rounding` is set, and
+compiles with FMA contraction enabled, while `exp` and `rsqrt` are libdevice. The kernels come in two
+arithmetic variants (`Profile.gpu_kernels`): the compiled profiles' copy Inductor's (section 2 checks them
+against Inductor's own code), the eager ones copy eager CUDA torch (`div_rn`, no FMA; section 1 checks them
+against the reference, through `EAGER_KERNELS`). The SwiGLU test against Inductor runs with the default
+division and with `division_rounding=True` (the kernels read the same option), so a failure says which of
+the two explains it. These are bitwise claims: a failing test prints the ulp histogram.
 
 Run by `bench/gpu_check.sh` (`pytest -m gpu`); needs torch, triton and transformers only.
 """
@@ -28,6 +30,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -35,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from trl_roundalign.ops import add_rms_norm, qk_norm_rope, rms_norm, rope, swiglu
+from trl_roundalign.profiles import get_profile
 
 _TESTS = str(Path(__file__).resolve().parents[1])
 if _TESTS not in sys.path:
@@ -96,13 +100,17 @@ def _cos_sin_hf(batch, seq, rd, dtype=BF16, seed: int = 50):
 
 # ============================================================================================ 1. vs the reference
 
+# The compiled profile's rounding with the eager CUDA arithmetic (`gpu_kernels="eager"`: div_rn, no FMA), which
+# is what the PyTorch reference computes on CUDA; the compiled profiles' own kernels copy Inductor's (section 2).
+EAGER_KERNELS = replace(get_profile("vllm-compiled"), name="vllm-compiled/eager-kernels", gpu_kernels="eager")
+
 
 @pytest.mark.parametrize("shape", [(3, 77), (2, 5, 1536), (4, 576), (2048, 12288)])
 @pytest.mark.parametrize("dtype", [BF16, FP16])
 def test_swiglu_forward_bitwise(shape, dtype):
     gate, up = _randn(shape, dtype, 1, 3.0), _randn(shape, dtype, 2)
     assert_bitwise_equal(
-        swiglu(gate, up, backend="triton"), swiglu(gate, up, backend="torch"), label=f"swiglu {shape} {dtype}"
+        swiglu(gate, up, backend="triton", profile=EAGER_KERNELS), swiglu(gate, up, backend="torch"), label=f"swiglu {shape} {dtype}"
     )
 
 
@@ -110,13 +118,13 @@ def test_swiglu_forward_bitwise(shape, dtype):
 def test_swiglu_forward_every_gate_value(dtype):
     gate = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(dtype).reshape(256, 256).to(DEV)
     up = _randn((256, 256), dtype, 3, 2.0)
-    assert_bitwise_equal(swiglu(gate, up, backend="triton"), swiglu(gate, up, backend="torch"), label="swiglu gates")
+    assert_bitwise_equal(swiglu(gate, up, backend="triton", profile=EAGER_KERNELS), swiglu(gate, up, backend="torch"), label="swiglu gates")
 
 
 @pytest.mark.parametrize("shape", [(3, 77), (64, 12288)])
 def test_swiglu_backward_bitwise(shape):
     gate, up, dout = _randn(shape, BF16, 5, 3.0), _randn(shape, BF16, 6), _randn(shape, BF16, 7)
-    got = _grads(lambda g, u: swiglu(g, u, backend="triton"), [gate, up], [dout])
+    got = _grads(lambda g, u: swiglu(g, u, backend="triton", profile=EAGER_KERNELS), [gate, up], [dout])
     ref = _grads(lambda g, u: swiglu(g, u, backend="torch"), [gate, up], [dout])
     for name, a, r in zip(("d_gate", "d_up"), got, ref):
         assert_bitwise_equal(a, r, label=f"swiglu {name} vs reference backward")
@@ -137,7 +145,7 @@ def test_rope_forward_bitwise(shape, dtype):
     x = _randn((b, s, h, d), dtype, 51, 2.0)
     cos, sin = _cos_sin_hf(b, s, rd, dtype)
     c4, s4 = cos.unsqueeze(2), sin.unsqueeze(2)
-    assert_bitwise_equal(rope(x, c4, s4, backend="triton"), rope(x, c4, s4, backend="torch"), label=f"rope {shape}")
+    assert_bitwise_equal(rope(x, c4, s4, backend="triton", profile=EAGER_KERNELS), rope(x, c4, s4, backend="torch"), label=f"rope {shape}")
 
 
 @pytest.mark.parametrize("shape", [ROPE_SHAPES[1], ROPE_SHAPES[3], ROPE_SHAPES[4]], ids=_rid)
@@ -146,7 +154,7 @@ def test_rope_backward_bitwise(shape):
     x, dout = _randn((b, s, h, d), BF16, 56), _randn((b, s, h, d), BF16, 57)
     cos, sin = _cos_sin_hf(b, s, rd)
     c4, s4 = cos.unsqueeze(2), sin.unsqueeze(2)
-    (got,) = _grads(lambda a: rope(a, c4, s4, backend="triton"), [x], [dout])
+    (got,) = _grads(lambda a: rope(a, c4, s4, backend="triton", profile=EAGER_KERNELS), [x], [dout])
     (ref,) = _grads(lambda a: rope(a, c4, s4, backend="torch"), [x], [dout])
     assert_bitwise_equal(got, ref, label="rope dx vs reference backward")
 
@@ -155,7 +163,7 @@ def test_rope_backward_bitwise(shape):
 @pytest.mark.parametrize("lanes", [None, 32])
 def test_rms_norm_forward(n, lanes):
     x, w = _randn((512, n), BF16, 10 + n, 2.0), _weight(n, BF16, 11)
-    got = rms_norm(x, w, EPS, backend="triton", reduction_lanes=lanes)
+    got = rms_norm(x, w, EPS, backend="triton", reduction_lanes=lanes, profile=EAGER_KERNELS)
     ref = rms_norm(x, w, EPS, backend="torch", reduction_lanes=lanes)
     check = _assert_bounded_flips if lanes is None else assert_bitwise_equal
     check(got, ref, label=f"rms_norm n={n} lanes={lanes}")
@@ -164,13 +172,13 @@ def test_rms_norm_forward(n, lanes):
 @pytest.mark.parametrize("fp32_residual", [True, False], ids=["fp32-residual", "rounded-residual"])
 @pytest.mark.parametrize("lanes", [None, 32])
 def test_add_rms_norm_forward(fp32_residual, lanes):
-    n, profile = 2048, ("vllm-compiled" if fp32_residual else "vllm-eager")
+    n, profile = 2048, (EAGER_KERNELS if fp32_residual else "vllm-eager")
     x = _randn((3, 300, n), BF16, 20)
     res = _randn((3, 300, n), FP32 if fp32_residual else BF16, 21, 4.0)
     w = _weight(n, BF16, 22)
     gy, gr = add_rms_norm(x, res, w, EPS, profile=profile, backend="triton", reduction_lanes=lanes)
     ry, rr = add_rms_norm(x, res, w, EPS, profile=profile, backend="torch", reduction_lanes=lanes)
-    label = f"add_rms_norm {profile} lanes={lanes}"
+    label = f"add_rms_norm fp32_residual={fp32_residual} lanes={lanes}"
     assert_bitwise_equal(gr, rr, label=f"{label} new residual")
     (_assert_bounded_flips if lanes is None else assert_bitwise_equal)(gy, ry, label=label)
 
@@ -181,7 +189,7 @@ def test_qk_norm_rope_forward(lanes):
     x, w = _randn((b, s, h, d), BF16, 60, 2.0), _weight(d, BF16, 61)
     cos, sin = _cos_sin_hf(b, s, d)
     c4, s4 = cos.unsqueeze(2), sin.unsqueeze(2)
-    got = qk_norm_rope(x, w, EPS, c4, s4, backend="triton", reduction_lanes=lanes)
+    got = qk_norm_rope(x, w, EPS, c4, s4, backend="triton", reduction_lanes=lanes, profile=EAGER_KERNELS)
     ref = qk_norm_rope(x, w, EPS, c4, s4, backend="torch", reduction_lanes=lanes)
     (_assert_bounded_flips if lanes is None else assert_bitwise_equal)(got, ref, label=f"qk_norm_rope lanes={lanes}")
 
@@ -190,7 +198,7 @@ def test_qk_norm_rope_forward(lanes):
 def test_rms_norm_backward(x_dtype):
     n = 2048
     x, w, dy = _randn((64, n), x_dtype, 30, 2.0), _weight(n, BF16, 31), _randn((64, n), BF16, 32)
-    got = _grads(lambda a, b: rms_norm(a, b, EPS, backend="triton"), [x, w], [dy])
+    got = _grads(lambda a, b: rms_norm(a, b, EPS, backend="triton", profile=EAGER_KERNELS), [x, w], [dy])
     ref = _grads(lambda a, b: rms_norm(a, b, EPS, backend="torch"), [x, w], [dy])
     exact = _grads(_rms_norm_fp64, [x.double(), w.double()], [dy.double()])
     for name, a, r, e in zip(("dx", "dw"), got, ref, exact):
@@ -206,7 +214,7 @@ def test_qk_norm_rope_backward():
     x, w, dout = _randn((b, s, h, d), BF16, 62, 2.0), _weight(d, BF16, 63), _randn((b, s, h, d), BF16, 64)
     cos, sin = _cos_sin_hf(b, s, d)
     c4, s4 = cos.unsqueeze(2), sin.unsqueeze(2)
-    got = _grads(lambda a, ww: qk_norm_rope(a, ww, EPS, c4, s4, backend="triton"), [x, w], [dout])
+    got = _grads(lambda a, ww: qk_norm_rope(a, ww, EPS, c4, s4, backend="triton", profile=EAGER_KERNELS), [x, w], [dout])
     ref = _grads(lambda a, ww: qk_norm_rope(a, ww, EPS, c4, s4, backend="torch"), [x, w], [dout])
     for name, a, r in zip(("dx", "dw"), got, ref):
         _assert_within_one_ulp(a, r, label=f"qk_norm_rope {name} vs reference backward")
@@ -364,7 +372,8 @@ def test_swiglu_matches_vllm_compiled(tokens, inter, division):
             pytest.skip(f"torch {torch.__version__}: Inductor has no option for IEEE division")
         config = {names[0]: True}
     expected = _compiled(vllm_silu_and_mul, **config)(gate_up)
-    got = swiglu(gate_up[:, :inter], gate_up[:, inter:], backend="triton")
+    with torch._inductor.config.patch(config):  # the kernels read the division option as the engine's compile does
+        got = swiglu(gate_up[:, :inter], gate_up[:, inter:], backend="triton")
     assert_bitwise_equal(got, expected, label=f"swiglu vs vLLM SiluAndMul compiled ({division} division)")
 
 

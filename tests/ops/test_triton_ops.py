@@ -395,6 +395,34 @@ def test_triton_on_cpu_without_interpreter_raises(monkeypatch):
 # The GPU code path: compiled to PTX for sm_90 without a GPU (no run, no numerics), to check that it
 # builds and that the properties the bitwise claim rests on hold in the generated code.
 
+@pytest.mark.parametrize("gpu_kernels", ["eager", "inductor"])
+def test_both_kernel_arithmetics_compute_the_reference_under_the_interpreter(gpu_kernels):
+    """The variants differ only in device arithmetic (checked in PTX below); their shared logic is the reference's."""
+    from dataclasses import replace
+
+    from trl_roundalign.profiles import get_profile
+
+    prof = replace(get_profile("vllm-compiled"), gpu_kernels=gpu_kernels)
+    g, u = _randn((3, 77), torch.bfloat16, 1, 3.0), _randn((3, 77), torch.bfloat16, 2)
+    x, w = _randn((2, 5, 96), torch.bfloat16, 3, 2.0), _weight(96, torch.bfloat16, 4)
+    res = _randn((2, 5, 96), torch.float32, 5, 4.0)
+    angles = torch.rand((1, 5, 1, 16), generator=_gen(6)) * 40.0
+    cos = torch.cat([angles.cos()] * 2, dim=-1).to(torch.bfloat16)
+    sin = torch.cat([angles.sin()] * 2, dim=-1).to(torch.bfloat16)
+    hx, hw = _randn((1, 5, 3, 32), torch.bfloat16, 7, 2.0), _weight(32, torch.bfloat16, 8)
+    pairs = {
+        "swiglu": lambda b: swiglu(g, u, profile=prof, backend=b),
+        "rms_norm": lambda b: rms_norm(x, w, 1e-6, profile=prof, backend=b, reduction_lanes=16),
+        "add_rms_norm": lambda b: add_rms_norm(x, res, w, 1e-6, profile=prof, backend=b, reduction_lanes=16),
+        "rope": lambda b: rope(hx, cos, sin, profile=prof, backend=b),
+        "qk_norm_rope": lambda b: qk_norm_rope(hx, hw, 1e-6, cos, sin, profile=prof, backend=b, reduction_lanes=16),
+    }
+    for name, fn in pairs.items():
+        got, ref = fn("triton"), fn("torch")
+        for a, b in zip(got if isinstance(got, tuple) else (got,), ref if isinstance(ref, tuple) else (ref,)):
+            assert_bitwise_equal(a, b, label=f"{name} ({gpu_kernels} arithmetic, interpreter)")
+
+
 _PTX_SCRIPT = textwrap.dedent(
     """
     import json, sys
@@ -403,55 +431,118 @@ _PTX_SCRIPT = textwrap.dedent(
     from triton.compiler import ASTSource
     from trl_roundalign.ops.triton import _numerics as N, rms_norm as R, rope as P, swiglu as S
 
-    def ptx(fn, sig, consts):
+    def ptx(fn, sig, consts, arith=None):
+        consts = dict(consts, INTERPRET=False)
+        if arith is not None:
+            consts["ARITH"] = arith
         full = {a: ("constexpr" if a in consts else sig.get(a, "i32")) for a in fn.arg_names}
-        src = ASTSource(fn=fn, signature=full, constexprs=dict(consts, INTERPRET=False))
-        opts = {"num_warps": 4, "enable_fp_fusion": False}
+        src = ASTSource(fn=fn, signature=full, constexprs=consts)
+        opts = N.launch_options(1024, N.ARITH_EAGER if arith is None else arith)
+        opts["num_warps"] = 4
         return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
 
     bf, f32 = "*bf16", "*fp32"
     out = {}
     out["round"] = ptx(N._round_kernel, dict(X=f32, Y=bf), dict(BLOCK=1024))
-    for name, fn in (("swiglu_fwd", S._swiglu_fwd_kernel), ("swiglu_bwd", S._swiglu_bwd_kernel)):
-        sig = dict(G=bf, U=bf, Y=bf, DO=bf, DG=bf, DU=bf, EXP_TABLE=f32)
-        out[name] = ptx(fn, sig, dict(BLOCK=1024, EXP_FROM_TABLE=False))
+    swiglu_sig = dict(G=bf, U=bf, Y=bf, DO=bf, DG=bf, DU=bf, EXP_TABLE=f32)
+    out["swiglu_bwd"] = ptx(S._swiglu_bwd_kernel, swiglu_sig, dict(BLOCK=1024, EXP_FROM_TABLE=False))
     norm_sig = dict(X=bf, R=f32, W=bf, Y=bf, RES_OUT=f32, RSTD=f32, inv_n="fp32", eps="fp32")
-    for mode, lanes in ((0, 0), (1, 32), (2, 16)):
-        meta = dict(MODE=mode, LANES=lanes, LOG2_LANES=max(lanes.bit_length() - 1, 0), BLOCK_ROWS=4, BLOCK_N=1024)
-        sig = dict(norm_sig, R=bf if mode == 2 else f32, RES_OUT=bf if mode == 2 else f32)
-        out[f"rms_norm_fwd_mode{mode}"] = ptx(R._rms_norm_fwd_kernel, sig, meta)
+    rope_sig = dict(X=bf, W=bf, COS=bf, SIN=bf, CS_OFF="*i32", Y=bf, RSTD=f32, DO=bf, DX=bf, DW_PARTIAL=f32,
+                    inv_d="fp32", eps="fp32")
+    for arith, tag in ((N.ARITH_EAGER, "eager"), (N.ARITH_INDUCTOR, "inductor"), (N.ARITH_INDUCTOR_RN, "inductor_rn")):
+        out[f"{tag}/swiglu_fwd"] = ptx(S._swiglu_fwd_kernel, swiglu_sig, dict(BLOCK=1024, EXP_FROM_TABLE=False), arith)
+        for mode, lanes in ((0, 0), (1, 32), (2, 16)):
+            meta = dict(MODE=mode, LANES=lanes, LOG2_LANES=max(lanes.bit_length() - 1, 0), BLOCK_ROWS=4,
+                        BLOCK_N=1024)
+            sig = dict(norm_sig, R=bf if mode == 2 else f32, RES_OUT=bf if mode == 2 else f32)
+            out[f"{tag}/rms_norm_fwd_mode{mode}"] = ptx(R._rms_norm_fwd_kernel, sig, meta, arith)
+        # The RoPE kernel has no division: its variants differ only in the launch's FMA contraction.
+        src = ASTSource(fn=P._rope_kernel, signature={a: ("constexpr" if a in ("TRANSPOSE", "BLOCK_ROWS", "BLOCK_D",
+                        "INTERPRET") else rope_sig.get(a, "i32")) for a in P._rope_kernel.arg_names},
+                        constexprs=dict(TRANSPOSE=False, BLOCK_ROWS=32, BLOCK_D=128, INTERPRET=False))
+        opts = dict(N.launch_options(1024, arith), num_warps=4)
+        out[f"{tag}/rope_fwd"] = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts).asm["ptx"]
+        out[f"{tag}/qk_norm_rope_fwd"] = ptx(P._qk_norm_rope_fwd_kernel, rope_sig, dict(LANES=32, LOG2_LANES=5,
+                                             BLOCK_ROWS=32, BLOCK_D=128), arith)
     bwd_sig = dict(DY=bf, V=f32, W=bf, RSTD=f32, DRES_IN=f32, DX=bf, DR=f32, DW_PARTIAL=f32)
     out["rms_norm_bwd"] = ptx(R._rms_norm_bwd_kernel, bwd_sig, dict(HAS_DRES_IN=True, HAS_DR=True, BLOCK_ROWS=4,
                               BLOCK_N=1024))
-    rope_sig = dict(X=bf, W=bf, COS=bf, SIN=bf, CS_OFF="*i32", Y=bf, RSTD=f32, DO=bf, DX=bf, DW_PARTIAL=f32,
-                    inv_d="fp32", eps="fp32")
     for transpose in (False, True):
         out[f"rope_transpose{int(transpose)}"] = ptx(P._rope_kernel, rope_sig, dict(TRANSPOSE=transpose,
                                                      BLOCK_ROWS=32, BLOCK_D=128))
-    out["qk_norm_rope_fwd"] = ptx(P._qk_norm_rope_fwd_kernel, rope_sig, dict(LANES=32, LOG2_LANES=5, BLOCK_ROWS=32,
-                                  BLOCK_D=128))
     out["qk_norm_rope_bwd"] = ptx(P._qk_norm_rope_bwd_kernel, rope_sig, dict(BLOCK_ROWS=32, BLOCK_D=128))
     json.dump(out, sys.stdout)
     """
 )
 
 
-def test_gpu_code_path_compiles_to_ptx():
+@pytest.fixture(scope="module")
+def gpu_ptx() -> dict[str, str]:
+    """Every kernel compiled to PTX for sm_90 (no GPU needed), the forward kernels in each arithmetic variant."""
     pytest.importorskip("triton.backends.nvidia.compiler")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _PTX_SCRIPT], capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", _PTX_SCRIPT], capture_output=True, text=True, env=env, timeout=600)
     if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr:
         pytest.skip("no ptxas in this Triton install")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    ptx = json.loads(proc.stdout)
-    for name, code in ptx.items():
-        assert "div.full" not in code, f"{name}: approximate division in the GPU path"
-        assert re.search(r"cvt\.rn(\.satfinite)?\.bf16", code), f"{name}: no round-to-nearest-even bf16 conversion"
-        if not name.startswith("swiglu"):  # libdevice's expf uses FMAs internally, as CUDA's expf does
-            assert not re.search(r"\bfma\.", code), f"{name}: FMA contraction in the GPU path"
-    for name in ("rms_norm_fwd_mode0", "rms_norm_fwd_mode1", "qk_norm_rope_fwd"):
-        assert "rsqrt.approx" in ptx[name], f"{name}: rstd must be CUDA's rsqrtf (libdevice.rsqrt), as torch.rsqrt is"
-    assert "ex2.approx" in ptx["swiglu_fwd"], "exp must be libdevice's __nv_expf on the GPU"
+    return json.loads(proc.stdout)
+
+
+_FMA = re.compile(r"\bfma\.rn\.f32\b")
+_BF16_RNE = re.compile(r"cvt\.rn(\.satfinite)?\.bf16")
+
+
+def test_every_kernel_rounds_to_nearest_even(gpu_ptx):
+    for name, code in gpu_ptx.items():
+        assert _BF16_RNE.search(code), f"{name}: no round-to-nearest-even bf16 conversion"
+
+
+def test_eager_kernels_divide_correctly_rounded_and_never_contract(gpu_ptx):
+    """The eager variant and every backward: eager CUDA torch numerics (`div_rn`, no FMA, rsqrtf, expf)."""
+    eager = {k: v for k, v in gpu_ptx.items() if "/" not in k or k.startswith("eager/")}
+    assert len(eager) == 12, sorted(eager)
+    for name, code in eager.items():
+        assert "div.full" not in code, f"{name}: approximate division in an eager kernel"
+        if "swiglu" not in name:  # libdevice's expf uses FMAs internally, as CUDA's expf does
+            assert not _FMA.search(code), f"{name}: FMA contraction in an eager kernel"
+    for name in ("eager/rms_norm_fwd_mode0", "eager/rms_norm_fwd_mode1", "eager/qk_norm_rope_fwd"):
+        assert "rsqrt.approx" in gpu_ptx[name], f"{name}: rstd must be CUDA's rsqrtf (libdevice.rsqrt), as torch.rsqrt is"
+        assert "div.rn.f32" not in gpu_ptx[name], f"{name}: eager torch's mean multiplies by 1/n, it does not divide"
+    assert "ex2.approx" in gpu_ptx["eager/swiglu_fwd"], "exp must be libdevice's __nv_expf on the GPU"
+    assert "div.rn.f32" in gpu_ptx["eager/swiglu_fwd"], "silu's division must be correctly rounded in eager"
+
+
+def test_inductor_kernels_divide_and_contract_as_inductor(gpu_ptx):
+    """The compiled profiles' forward kernels: Inductor's Triton numerics (div.full, FMA contraction on)."""
+    for name in ("swiglu_fwd", "rms_norm_fwd_mode0", "rms_norm_fwd_mode1", "rms_norm_fwd_mode2", "qk_norm_rope_fwd"):
+        default, rn = gpu_ptx[f"inductor/{name}"], gpu_ptx[f"inductor_rn/{name}"]
+        assert "div.full.f32" in default, f"inductor/{name}: Inductor divides with a plain `/` (div.full.f32)"
+        assert "div.full" not in rn and "div.rn.f32" in rn, f"inductor_rn/{name}: division rounding on means div_rn"
+    for tag in ("inductor", "inductor_rn"):
+        assert _FMA.search(gpu_ptx[f"{tag}/rope_fwd"]), f"{tag}/rope_fwd: x1 c - x2 s must contract, as Inductor's does"
+        assert _FMA.search(gpu_ptx[f"{tag}/qk_norm_rope_fwd"]), f"{tag}/qk_norm_rope_fwd: no FMA contraction"
+        for name in ("rms_norm_fwd_mode0", "rms_norm_fwd_mode1", "qk_norm_rope_fwd"):
+            assert "rsqrt.approx" in gpu_ptx[f"{tag}/{name}"], f"{tag}/{name}: Inductor's rsqrt is libdevice.rsqrt"
+        assert "ex2.approx" in gpu_ptx[f"{tag}/swiglu_fwd"], f"{tag}/swiglu_fwd: Inductor's exp is libdevice.exp"
+    assert not _FMA.search(gpu_ptx["eager/rope_fwd"]), "the variants must differ: the eager RoPE does not contract"
+
+
+def test_profiles_pick_their_kernel_arithmetic():
+    """Compiled profiles run Inductor's arithmetic, eager profiles eager CUDA's (Profile.gpu_kernels)."""
+    from trl_roundalign.ops.triton import _numerics as N
+    from trl_roundalign.profiles import PROFILES
+
+    for name, prof in PROFILES.items():
+        want = "inductor" if name.startswith("vllm-compiled") else "eager"
+        assert prof.gpu_kernels == want, name
+    assert N.arith_for("eager") == N.ARITH_EAGER
+    assert N.arith_for("inductor") == N.ARITH_INDUCTOR
+    with torch._inductor.config.patch({"eager_numerics.division_rounding": True}):
+        assert N.arith_for("inductor") == N.ARITH_INDUCTOR_RN
+    with torch._inductor.config.patch({"emulate_precision_casts": True}):
+        with pytest.raises(RuntimeError, match="emulate_precision_casts"):
+            N.arith_for("inductor")
+        assert N.arith_for("eager") == N.ARITH_EAGER
 
 
 _MISMATCH_SCRIPT = textwrap.dedent(

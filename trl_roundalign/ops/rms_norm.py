@@ -172,7 +172,7 @@ def rms_norm(
     if backend == "triton":
         from .triton.rms_norm import rms_norm_triton
 
-        return rms_norm_triton(x, weight, eps, lanes)
+        return rms_norm_triton(x, weight, eps, lanes, prof.gpu_kernels)
     return _RMSNormRef.apply(x, weight, float(eps), lanes)
 
 
@@ -223,6 +223,6 @@ def add_rms_norm(
     if backend == "triton":
         from .triton.rms_norm import add_rms_norm_triton
 
-        return add_rms_norm_triton(x, residual, weight, eps, lanes, prof.residual != "round")
+        return add_rms_norm_triton(x, residual, weight, eps, lanes, prof.residual != "round", prof.gpu_kernels)
     fn = _AddRMSNormRef if prof.residual != "round" else _AddRMSNormRoundRef
     return fn.apply(x, residual, weight, float(eps), lanes)

@@ -176,7 +176,7 @@ def rope(
     if backend == "triton":
         from .triton.rope import rope_triton
 
-        return rope_triton(x, cos, sin)
+        return rope_triton(x, cos, sin, prof.gpu_kernels)
     return _RopeRef.apply(x, cos, sin)
 
 
@@ -216,7 +216,7 @@ def qk_norm_rope(
         if backend == "triton":
             from .triton.rope import qk_norm_rope_triton
 
-            return qk_norm_rope_triton(x, weight, eps, cos, sin, lanes)
+            return qk_norm_rope_triton(x, weight, eps, cos, sin, lanes, prof.gpu_kernels)
         return _QkNormRopeRef.apply(x, weight, float(eps), cos, sin, lanes)
     if prof.qk_norm == "round-once":
         from .rms_norm import rms_norm

@@ -92,5 +92,5 @@ def swiglu(
     if backend == "triton":
         from .triton.swiglu import swiglu_triton
 
-        return swiglu_triton(gate, up)
+        return swiglu_triton(gate, up, prof.gpu_kernels)
     return swiglu_reference(gate, up, "fp32")

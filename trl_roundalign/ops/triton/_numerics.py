@@ -15,9 +15,20 @@ store (docs/numerics.md). What differs between a GPU and the CPU interpreter is 
   on NVIDIA GPUs. Kernels are launched with `enable_fp_fusion=False` so that `a * b + c` is never
   contracted into an FMA that the reference (one eager op per kernel) does not perform.
 
-The GPU paths follow the PyTorch reference running on CUDA as read from its source. The CPU test
-run compiles them to PTX for sm_90 and checks these properties in the generated code; it cannot
-check their numerics bit for bit, which needs a GPU.
+Those are the `ARITH_EAGER` kernels (the eager profiles, and every backward). A compiled engine on a
+GPU runs Inductor-generated Triton instead, and the compiled profiles' forward kernels copy its
+arithmetic (`ARITH` constexpr, `arith_for`): `sum / n` and `g / (1 + exp(-g))` are a plain `/`
+(`div.full.f32`; `tl.div_rn` when Inductor's `eager_numerics.division_rounding` is on: `ARITH_INDUCTOR_RN`),
+FMA contraction is allowed (`enable_fp_fusion=True`, Inductor's default unless `emulate_precision_casts`),
+`exp` and `rsqrt` are libdevice as in Inductor's `TritonOverrides`, and each expression keeps the
+operand order of vLLM's native code (`x1 * cos - x2 * sin`), since contraction depends on it.
+Under the interpreter every variant computes the CPU reference (numpy divides correctly rounded and
+never fuses), so the interpreter tests check the shared logic and the PTX tests check each variant's
+arithmetic.
+
+The GPU paths follow the PyTorch reference running on CUDA and Inductor's Triton code generator as
+read from their sources. The CPU test run compiles them to PTX for sm_90 and checks these properties
+in the generated code; it cannot check their numerics bit for bit, which needs a GPU.
 """
 
 from __future__ import annotations
@@ -30,7 +41,12 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 __all__ = [
+    "ARITH_EAGER",
+    "ARITH_INDUCTOR",
+    "ARITH_INDUCTOR_RN",
     "INTERPRET",
+    "arith_for",
+    "fdiv",
     "check_launchable",
     "fp32_scalar",
     "grid_programs",
@@ -54,6 +70,46 @@ INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1
 _MAX_TILE = 1 << 16 if INTERPRET else 1 << 13
 MAX_WIDTH = 1 << 16
 
+# Which device arithmetic a forward kernel copies (constexpr ARITH; module docstring).
+ARITH_EAGER, ARITH_INDUCTOR, ARITH_INDUCTOR_RN = 0, 1, 2
+
+
+def _inductor_option(name: str):
+    import torch._inductor.config as cfg
+
+    obj = cfg
+    for part in name.split("."):
+        if not hasattr(obj, part):
+            return None
+        obj = getattr(obj, part)
+    return obj
+
+
+def arith_for(gpu_kernels: str) -> int:
+    """The `ARITH` of a profile's forward kernels: eager CUDA, or Inductor's Triton as configured now.
+
+    For `"inductor"` the Inductor configuration of this process decides (a colocated engine compiles
+    with it): division rounding on gives `ARITH_INDUCTOR_RN`. Options that change Inductor's numerics
+    in ways no kernel here copies (`emulate_precision_casts`, `use_fast_math`) raise instead.
+
+    Raises:
+        RuntimeError: such an option is on; the message names it.
+        ValueError: unknown `gpu_kernels`.
+    """
+    if gpu_kernels == "eager":
+        return ARITH_EAGER
+    if gpu_kernels != "inductor":
+        raise ValueError(f"gpu_kernels must be 'eager' or 'inductor', got {gpu_kernels!r}.")
+    for option in ("emulate_precision_casts", "use_fast_math"):
+        if _inductor_option(option):
+            raise RuntimeError(
+                f"torch._inductor.config.{option} is on: the compiled engine then rounds or computes in a way no "
+                "trl_roundalign kernel copies. Turn it off (TORCHINDUCTOR_EMULATE_PRECISION_CASTS=0) or run "
+                "`trl-roundalign probe` to see which profile matches the engine."
+            )
+    division_rn = _inductor_option("eager_numerics.division_rounding") or _inductor_option("emulate_divison_rounding")
+    return ARITH_INDUCTOR_RN if division_rn else ARITH_INDUCTOR
+
 
 def check_launchable(*tensors: torch.Tensor) -> None:
     """Raise a clear error when the kernels cannot run on these tensors."""
@@ -71,10 +127,10 @@ def fp32_scalar(value: float) -> float:
     return float(torch.tensor(float(value), dtype=torch.float32))
 
 
-def launch_options(tile: int) -> dict:
-    """Launch keywords: warps by tile size, and no FMA contraction (the reference never fuses)."""
+def launch_options(tile: int, arith: int = ARITH_EAGER) -> dict:
+    """Launch keywords: warps by tile size; FMA contraction only for Inductor's arithmetic (eager never fuses)."""
     num_warps = 4 if tile <= 2048 else 8 if tile <= 8192 else 16
-    return {"num_warps": num_warps, "enable_fp_fusion": False}
+    return {"num_warps": num_warps, "enable_fp_fusion": arith != ARITH_EAGER}
 
 
 def grid_programs(n_blocks: int, t: torch.Tensor) -> int:
@@ -137,14 +193,29 @@ def load_fp32(ptrs, mask, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def norm_rstd(sum_sq, n, inv_n, eps, INTERPRET: tl.constexpr):
-    """`rsqrt(sum_sq / n + eps)` exactly as the reference computes it on the device (module docstring)."""
+def fdiv(a, b, ARITH: tl.constexpr):
+    """fp32 `a / b` as the copied arithmetic divides: `div.full.f32` for Inductor's default, else `div_rn`."""
+    if ARITH == 1:
+        return a / b
+    else:
+        return tl.div_rn(a, b)
+
+
+@triton.jit
+def norm_rstd(sum_sq, n, inv_n, eps, INTERPRET: tl.constexpr, ARITH: tl.constexpr = 0):
+    """`rsqrt(sum_sq / n + eps)` exactly as the copied code computes it on the device (module docstring).
+
+    Eager torch on CUDA multiplies by `inv_n = 1 / n`; Inductor's `mean` divides the sum by `n`.
+    """
     eps32 = tl.cast(eps, tl.float32)
     if INTERPRET:
         var = tl.div_rn(sum_sq, tl.cast(n, tl.float32))
         return tl.div_rn(1.0, tl.sqrt_rn(var + eps32))
     else:
-        var = sum_sq * tl.cast(inv_n, tl.float32)
+        if ARITH == 0:
+            var = sum_sq * tl.cast(inv_n, tl.float32)
+        else:
+            var = fdiv(sum_sq, tl.cast(n, tl.float32), ARITH)
         return libdevice.rsqrt(var + eps32)
 
 

@@ -20,6 +20,7 @@ import triton.language as tl
 
 from ._numerics import (
     INTERPRET,
+    arith_for,
     check_launchable,
     fp32_scalar,
     grid_programs,
@@ -60,6 +61,7 @@ def _rms_norm_fwd_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     INTERPRET: tl.constexpr,
+    ARITH: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_mask = rows < n_rows
@@ -79,7 +81,7 @@ def _rms_norm_fwd_kernel(
         sum_sq = lane_sum_of_squares(
             X, R, rows, row_mask, stride_x, stride_r, n, MODE, LANES, LOG2_LANES, BLOCK_ROWS, INTERPRET
         )
-    rstd = norm_rstd(sum_sq, n, inv_n, eps, INTERPRET)
+    rstd = norm_rstd(sum_sq, n, inv_n, eps, INTERPRET, ARITH)
     w = load_fp32(W + cols, cols < n, INTERPRET)
     y = (v * rstd[:, None]) * w[None, :]
     tl.store(Y + rows[:, None] * stride_y + cols[None, :], round_to(y, Y.dtype.element_ty, INTERPRET), mask=mask)
@@ -154,7 +156,7 @@ def _lanes_meta(lanes: int | None) -> tuple[int, int]:
     return lanes, lanes.bit_length() - 1
 
 
-def _forward(x, residual, weight, eps, lanes, mode: int, res_dtype: torch.dtype | None):
+def _forward(x, residual, weight, eps, lanes, mode: int, res_dtype: torch.dtype | None, arith: int):
     """Launch the forward kernel; returns `(y, new_residual or None, rstd)`, `y` and the residual in `x`'s shape."""
     n = x.shape[-1]
     x2 = _rows(x)
@@ -188,7 +190,8 @@ def _forward(x, residual, weight, eps, lanes, mode: int, res_dtype: torch.dtype 
             BLOCK_ROWS=block_rows,
             BLOCK_N=block_n,
             INTERPRET=INTERPRET,
-            **launch_options(block_rows * block_n),
+            ARITH=arith,
+            **launch_options(block_rows * block_n, arith),
         )
     return y, (res_out if mode != _PLAIN else None), rstd
 
@@ -237,8 +240,8 @@ class RMSNormFunction(torch.autograd.Function):
     """`r(x̂(x) * f(w))` in `w`'s dtype; saves `x`, `w` and the fp32 `rstd` per row."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps, lanes):
-        y, _, rstd = _forward(x, None, weight, eps, lanes, _PLAIN, None)
+    def forward(ctx, x, weight, eps, lanes, arith):
+        y, _, rstd = _forward(x, None, weight, eps, lanes, _PLAIN, None, arith)
         ctx.save_for_backward(x, weight, rstd)
         return y
 
@@ -246,15 +249,15 @@ class RMSNormFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight, rstd = ctx.saved_tensors
         dx, _, dw = _backward(dy, x, weight, rstd, None, x.dtype, None)
-        return dx, dw, None, None
+        return dx, dw, None, None, None
 
 
 class AddRMSNormFunction(torch.autograd.Function):
     """fp32 residual stream: `(r(x̂(s) * f(w)), s)` with `s = f(res) + f(x)` returned in fp32; saves `s`."""
 
     @staticmethod
-    def forward(ctx, x, residual, weight, eps, lanes):
-        y, s, rstd = _forward(x, residual, weight, eps, lanes, _ADD_FP32, torch.float32)
+    def forward(ctx, x, residual, weight, eps, lanes, arith):
+        y, s, rstd = _forward(x, residual, weight, eps, lanes, _ADD_FP32, torch.float32, arith)
         ctx.save_for_backward(s, weight, rstd)
         ctx.dtypes = (x.dtype, residual.dtype)
         return y, s
@@ -264,15 +267,15 @@ class AddRMSNormFunction(torch.autograd.Function):
         s, weight, rstd = ctx.saved_tensors
         x_dtype, res_dtype = ctx.dtypes
         dx, dr, dw = _backward(dy, s, weight, rstd, ds_out, x_dtype, res_dtype)
-        return dx, dr, dw, None, None
+        return dx, dr, dw, None, None, None
 
 
 class AddRMSNormRoundFunction(torch.autograd.Function):
     """Rounded residual: `(r(x̂(r(s)) * f(w)), r(s))`, `r(s)` in `x`'s dtype; saves `r(s)`."""
 
     @staticmethod
-    def forward(ctx, x, residual, weight, eps, lanes):
-        y, new_res, rstd = _forward(x, residual, weight, eps, lanes, _ADD_ROUND, x.dtype)
+    def forward(ctx, x, residual, weight, eps, lanes, arith):
+        y, new_res, rstd = _forward(x, residual, weight, eps, lanes, _ADD_ROUND, x.dtype, arith)
         ctx.save_for_backward(new_res, weight, rstd)
         ctx.res_dtype = residual.dtype
         return y, new_res
@@ -281,13 +284,18 @@ class AddRMSNormRoundFunction(torch.autograd.Function):
     def backward(ctx, dy, ds_out):
         new_res, weight, rstd = ctx.saved_tensors
         dx, dr, dw = _backward(dy, new_res, weight, rstd, ds_out, new_res.dtype, ctx.res_dtype)
-        return dx, dr, dw, None, None
+        return dx, dr, dw, None, None, None
 
 
-def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, lanes: int | None) -> torch.Tensor:
-    """Aligned RMSNorm, Triton kernels; output in `weight`'s dtype (inputs checked by `trl_roundalign.ops`)."""
+def rms_norm_triton(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, lanes: int | None, gpu_kernels: str = "inductor"
+) -> torch.Tensor:
+    """Aligned RMSNorm, Triton kernels; output in `weight`'s dtype (inputs checked by `trl_roundalign.ops`).
+
+    `gpu_kernels`: the forward's device arithmetic (`_numerics.arith_for`); the backward is eager arithmetic.
+    """
     check_launchable(x, weight)
-    return RMSNormFunction.apply(x, weight.contiguous(), float(eps), lanes)
+    return RMSNormFunction.apply(x, weight.contiguous(), float(eps), lanes, arith_for(gpu_kernels))
 
 
 def add_rms_norm_triton(
@@ -297,6 +305,7 @@ def add_rms_norm_triton(
     eps: float,
     lanes: int | None,
     fp32_residual: bool,
+    gpu_kernels: str = "inductor",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Residual add + aligned RMSNorm, Triton kernels: `(normed, new_residual)`.
 
@@ -305,4 +314,4 @@ def add_rms_norm_triton(
     """
     check_launchable(x, residual, weight)
     fn = AddRMSNormFunction if fp32_residual else AddRMSNormRoundFunction
-    return fn.apply(x, residual, weight.contiguous(), float(eps), lanes)
+    return fn.apply(x, residual, weight.contiguous(), float(eps), lanes, arith_for(gpu_kernels))

@@ -23,7 +23,9 @@ import triton
 import triton.language as tl
 
 from ._numerics import (
+    ARITH_EAGER,
     INTERPRET,
+    arith_for,
     check_launchable,
     fp32_scalar,
     grid_programs,
@@ -119,6 +121,7 @@ def _qk_norm_rope_fwd_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
     INTERPRET: tl.constexpr,
+    ARITH: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_mask = rows < n_rows
@@ -135,7 +138,7 @@ def _qk_norm_rope_fwd_kernel(
         sum_sq = lane_sum_of_squares(
             X, X, rows, row_mask, stride_x, stride_x, d, 0, LANES, LOG2_LANES, BLOCK_ROWS, INTERPRET
         )
-    rstd = norm_rstd(sum_sq, d, inv_d, eps, INTERPRET)[:, None]
+    rstd = norm_rstd(sum_sq, d, inv_d, eps, INTERPRET, ARITH)[:, None]
     w = load_fp32(W + cols, cols < d, INTERPRET)[None, :]
     wp = load_fp32(W + partner, cols < rd, INTERPRET)[None, :]
     # q̂ = x̂ * f(w) for the element and for its partner: the same fp32 operations, so the same bits.
@@ -209,7 +212,7 @@ def _cos_sin_rows(x_shape: torch.Size, cos: torch.Tensor, sin: torch.Tensor):
     return cos_c, sin_c, offsets
 
 
-def _rope_launch(src: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, transpose: bool) -> torch.Tensor:
+def _rope_launch(src: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, transpose: bool, arith: int) -> torch.Tensor:
     d, rd = src.shape[-1], cos.shape[-1]
     src2 = src.contiguous().view(-1, d)
     out = torch.empty(src.shape, dtype=src.dtype, device=src.device)
@@ -233,7 +236,7 @@ def _rope_launch(src: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, transp
             BLOCK_ROWS=block_rows,
             BLOCK_D=block_d,
             INTERPRET=INTERPRET,
-            **launch_options(block_rows * block_d),
+            **launch_options(block_rows * block_d, arith),
         )
     return out
 
@@ -242,21 +245,21 @@ class RopeFunction(torch.autograd.Function):
     """`r(rotate(f(x)))`; saves `cos` and `sin` only."""
 
     @staticmethod
-    def forward(ctx, x, cos, sin):
+    def forward(ctx, x, cos, sin, arith):
         ctx.save_for_backward(cos, sin)
-        return _rope_launch(x, cos, sin, transpose=False)
+        return _rope_launch(x, cos, sin, transpose=False, arith=arith)
 
     @staticmethod
     def backward(ctx, grad):
         cos, sin = ctx.saved_tensors
-        return _rope_launch(grad, cos, sin, transpose=True), None, None
+        return _rope_launch(grad, cos, sin, transpose=True, arith=ARITH_EAGER), None, None, None
 
 
 class QkNormRopeFunction(torch.autograd.Function):
     """`r(rotate(x̂(x) * f(w)))` with no rounding in between; saves `x`, `w`, `rstd`, `cos`, `sin`."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps, cos, sin, lanes):
+    def forward(ctx, x, weight, eps, cos, sin, lanes, arith):
         d, rd = x.shape[-1], cos.shape[-1]
         x2 = x.contiguous().view(-1, d)
         n_rows = x2.shape[0]
@@ -289,7 +292,8 @@ class QkNormRopeFunction(torch.autograd.Function):
                 BLOCK_ROWS=block_rows,
                 BLOCK_D=block_d,
                 INTERPRET=INTERPRET,
-                **launch_options(block_rows * block_d),
+                ARITH=arith,
+                **launch_options(block_rows * block_d, arith),
             )
         ctx.save_for_backward(x2, weight, rstd, cos, sin)
         ctx.shape = x.shape
@@ -329,13 +333,17 @@ class QkNormRopeFunction(torch.autograd.Function):
                 INTERPRET=INTERPRET,
                 **launch_options(block_rows * block_d),
             )
-        return dx, dw_partial.sum(dim=0).to(weight.dtype), None, None, None, None
+        return dx, dw_partial.sum(dim=0).to(weight.dtype), None, None, None, None, None
 
 
-def rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE rotated in fp32 and rounded once, Triton kernels (inputs checked by `trl_roundalign.ops.rope`)."""
+def rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, gpu_kernels: str = "inductor") -> torch.Tensor:
+    """RoPE rotated in fp32 and rounded once, Triton kernels (inputs checked by `trl_roundalign.ops.rope`).
+
+    `gpu_kernels`: the forward's device arithmetic (`_numerics.arith_for`): Inductor's lets `x1 c - x2 s`
+    contract into an FMA, as Inductor's code of vLLM's `x1 * cos - x2 * sin` does; the backward is eager.
+    """
     check_launchable(x, cos, sin)
-    return RopeFunction.apply(x, cos, sin)
+    return RopeFunction.apply(x, cos, sin, arith_for(gpu_kernels))
 
 
 def qk_norm_rope_triton(
@@ -345,7 +353,8 @@ def qk_norm_rope_triton(
     cos: torch.Tensor,
     sin: torch.Tensor,
     lanes: int | None,
+    gpu_kernels: str = "inductor",
 ) -> torch.Tensor:
-    """Qwen3's q/k-norm + RoPE as one region with one rounding, Triton kernels."""
+    """Qwen3's q/k-norm + RoPE as one region with one rounding, Triton kernels (`gpu_kernels` as `rope_triton`)."""
     check_launchable(x, weight, cos, sin)
-    return QkNormRopeFunction.apply(x, weight.contiguous(), float(eps), cos, sin, lanes)
+    return QkNormRopeFunction.apply(x, weight.contiguous(), float(eps), cos, sin, lanes, arith_for(gpu_kernels))

@@ -21,7 +21,17 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from ._numerics import INTERPRET, check_launchable, launch_options, load_fp32, round_to, to_fp32
+from ._numerics import (
+    ARITH_EAGER,
+    INTERPRET,
+    arith_for,
+    check_launchable,
+    fdiv,
+    launch_options,
+    load_fp32,
+    round_to,
+    to_fp32,
+)
 
 __all__ = ["swiglu_triton"]
 
@@ -50,14 +60,22 @@ def _exp_neg(g16, gf, EXP_TABLE, EXP_FROM_TABLE: tl.constexpr):
 
 @triton.jit
 def _swiglu_fwd_kernel(
-    G, U, Y, EXP_TABLE, n, BLOCK: tl.constexpr, EXP_FROM_TABLE: tl.constexpr, INTERPRET: tl.constexpr
+    G,
+    U,
+    Y,
+    EXP_TABLE,
+    n,
+    BLOCK: tl.constexpr,
+    EXP_FROM_TABLE: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    ARITH: tl.constexpr,
 ):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     g16 = tl.load(G + offs, mask=mask, other=0.0)
     gf = to_fp32(g16, INTERPRET)
     uf = load_fp32(U + offs, mask, INTERPRET)
-    silu = tl.div_rn(gf, _exp_neg(g16, gf, EXP_TABLE, EXP_FROM_TABLE) + 1.0)
+    silu = fdiv(gf, _exp_neg(g16, gf, EXP_TABLE, EXP_FROM_TABLE) + 1.0, ARITH)
     tl.store(Y + offs, round_to(silu * uf, Y.dtype.element_ty, INTERPRET), mask=mask)
 
 
@@ -79,10 +97,18 @@ def _swiglu_bwd_kernel(
     tl.store(DU + offs, round_to(du, DU.dtype.element_ty, INTERPRET), mask=mask)
 
 
-def _launch(kernel, *tensors: torch.Tensor, n: int, exp_table: torch.Tensor) -> None:
+def _launch(kernel, *tensors: torch.Tensor, n: int, exp_table: torch.Tensor, arith: int | None = None) -> None:
     grid = (triton.cdiv(n, _BLOCK),)
+    extra = {} if arith is None else {"ARITH": arith}
     kernel[grid](
-        *tensors, exp_table, n, BLOCK=_BLOCK, EXP_FROM_TABLE=INTERPRET, INTERPRET=INTERPRET, **launch_options(_BLOCK)
+        *tensors,
+        exp_table,
+        n,
+        BLOCK=_BLOCK,
+        EXP_FROM_TABLE=INTERPRET,
+        INTERPRET=INTERPRET,
+        **extra,
+        **launch_options(_BLOCK, ARITH_EAGER if arith is None else arith),
     )
 
 
@@ -95,12 +121,12 @@ class SwiGLUFunction(torch.autograd.Function):
     """`r(silu(f(g)) * f(u))`; saves the 16-bit `gate` and `up` only (as given: strided views stay views)."""
 
     @staticmethod
-    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, arith: int) -> torch.Tensor:
         gate_c, up_c = gate.contiguous(), up.contiguous()
         out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
         n = gate_c.numel()
         if n:
-            _launch(_swiglu_fwd_kernel, gate_c, up_c, out, n=n, exp_table=_table_for(gate_c))
+            _launch(_swiglu_fwd_kernel, gate_c, up_c, out, n=n, exp_table=_table_for(gate_c), arith=arith)
         ctx.save_for_backward(gate, up)
         return out
 
@@ -113,10 +139,14 @@ class SwiGLUFunction(torch.autograd.Function):
         n = gate_c.numel()
         if n:
             _launch(_swiglu_bwd_kernel, grad_c, gate_c, up_c, dg, du, n=n, exp_table=_table_for(gate_c))
-        return dg, du
+        return dg, du, None
 
 
-def swiglu_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU with one rounding, Triton kernels (inputs already checked by `trl_roundalign.ops.swiglu`)."""
+def swiglu_triton(gate: torch.Tensor, up: torch.Tensor, gpu_kernels: str = "inductor") -> torch.Tensor:
+    """SwiGLU with one rounding, Triton kernels (inputs already checked by `trl_roundalign.ops.swiglu`).
+
+    `gpu_kernels`: the forward's device arithmetic, `"inductor"` (compiled engines) or `"eager"`
+    (`_numerics.arith_for`); the backward always computes the eager arithmetic.
+    """
     check_launchable(gate, up)
-    return SwiGLUFunction.apply(gate, up)
+    return SwiGLUFunction.apply(gate, up, arith_for(gpu_kernels))
