@@ -131,6 +131,31 @@ class MismatchCallback(TrainerCallback):
             return
         os.makedirs(os.path.dirname(os.path.abspath(self.log_file)), exist_ok=True)
         resuming = state.global_step > 0 and os.path.exists(self.log_file)
+        if resuming:
+            self._drop_rows_after(state.global_step)
         with open(self.log_file, "a" if resuming else "w") as fh:
             fh.write(json.dumps({"run_info": self.run_info, "resumed_at_step": state.global_step if resuming else None}) + "\n")
         self._header_written = True
+
+    def _drop_rows_after(self, step: int) -> None:
+        """On resume: remove the rows of steps after the checkpoint (they are trained again), atomically."""
+        with open(self.log_file) as fh:
+            lines = fh.read().splitlines()
+        kept, dropped = [], 0
+        for line in lines:
+            try:
+                row_step = json.loads(line).get("step")
+            except json.JSONDecodeError:
+                row_step = None  # a torn last line from an interrupted run
+                dropped += 1
+                continue
+            if row_step is not None and row_step > step:
+                dropped += 1
+                continue
+            kept.append(line)
+        if dropped:
+            tmp = f"{self.log_file}.tmp"
+            with open(tmp, "w") as fh:
+                fh.write("".join(k + "\n" for k in kept))
+            os.replace(tmp, self.log_file)
+            logger.info("mismatch log: resumed at step %d, dropped %d rows of later steps", step, dropped)

@@ -6,14 +6,31 @@ Every field has `metadata={"help": ...}`, so it works from YAML (`TrlParser`) an
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from trl import GRPOConfig
 
 from .profiles import PAPER_REGIONS, PROFILES, validate_regions
 
 __all__ = ["RoundAlignGRPOConfig"]
+
+logger = logging.getLogger(__name__)
+_logged_cpu = False
+
+
+def _has_accelerator() -> bool:
+    """Whether torch sees a device Trainer would train on (CUDA/ROCm, XPU, MPS, NPU, HPU)."""
+    if torch.cuda.is_available():
+        return True
+    for name in ("xpu", "npu", "hpu"):
+        mod = getattr(torch, name, None)
+        if mod is not None and getattr(mod, "is_available", lambda: False)():
+            return True
+    mps = getattr(torch.backends, "mps", None)
+    return bool(mps is not None and mps.is_available())
 
 
 @dataclass
@@ -27,6 +44,8 @@ class RoundAlignGRPOConfig(GRPOConfig):
       to True to combine both.
     - The policy loads in bf16 unless `model_init_kwargs["dtype"]` says otherwise (TRL loads fp32
       by default while vLLM serves bf16, which would measure the dtype gap, not rounding).
+    - On a machine without an accelerator `use_cpu` is set (logged once): transformers otherwise
+      refuses TRL's default `bf16=True` there.
 
     The new fields are listed below; each also has a `--help` line.
     """
@@ -102,6 +121,33 @@ class RoundAlignGRPOConfig(GRPOConfig):
         },
     )
 
+    @classmethod
+    def from_grpo_config(cls, config: GRPOConfig, **overrides) -> RoundAlignGRPOConfig:
+        """A `RoundAlignGRPOConfig` with every field of a plain `trl.GRPOConfig`, and the alignment defaults.
+
+        The GRPO fields keep the values the given config holds, including TRL's
+        `vllm_importance_sampling_correction` (True by default there; this class defaults to False, the
+        paper's condition), which is logged. `generation_batch_size` is re-derived from
+        `steps_per_generation`, as TRL derives one from the other. `overrides` set any field.
+        """
+        from dataclasses import fields
+
+        values = {f.name: getattr(config, f.name) for f in fields(GRPOConfig) if f.init and hasattr(config, f.name)}
+        values["generation_batch_size"] = None  # derived again from steps_per_generation
+        values.pop("vllm_importance_sampling_cap", None)  # deprecated alias, already copied into clip_max
+        for key in ("logging_dir",):  # filled in by TrainingArguments from output_dir when unset
+            values.pop(key, None)
+        values.update(overrides)
+        upgraded = cls(**values)
+        logger.warning(
+            "A plain trl.GRPOConfig was upgraded to RoundAlignGRPOConfig (regions %s, profile %s); "
+            "vllm_importance_sampling_correction=%s is kept from it.",
+            upgraded.roundalign_regions,
+            upgraded.roundalign_profile,
+            upgraded.vllm_importance_sampling_correction,
+        )
+        return upgraded
+
     def __post_init__(self):
         if isinstance(self.roundalign_regions, str):
             self.roundalign_regions = [r for r in self.roundalign_regions.replace(",", " ").split() if r]
@@ -128,4 +174,10 @@ class RoundAlignGRPOConfig(GRPOConfig):
         if "torch_dtype" in self.model_init_kwargs and "dtype" not in self.model_init_kwargs:
             self.model_init_kwargs["dtype"] = self.model_init_kwargs.pop("torch_dtype")
         self.model_init_kwargs.setdefault("dtype", "bfloat16")
+        if not self.use_cpu and not _has_accelerator():
+            global _logged_cpu
+            self.use_cpu = True
+            if not _logged_cpu:
+                logger.warning("No GPU or other accelerator found: training on the CPU (use_cpu=True).")
+                _logged_cpu = True
         super().__post_init__()

@@ -116,6 +116,8 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
 
     def __init__(self, model, reward_funcs=None, args=None, *posargs, **kwargs):
         check_trl_internals()
+        if isinstance(model, os.PathLike):
+            model = os.fspath(model)  # a checkpoint directory, e.g. what `build_tiny_model` returns
         args = self._upgrade_args(model, args)
         self._check_options(model, args)
         self._roundalign_capture = False
@@ -144,6 +146,13 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
             engine_kwargs["compilation_config"] = piecewise_compilation_config(engine_kwargs["compilation_config"])
         if colocate:
             apply_vllm_cpu_weight_sync_fix()
+            if is_vllm_cpu() and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+                # vLLM-CPU otherwise reserves a large share of host RAM for its KV cache (6.8 GB for a toy model).
+                os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
+                logger.warning(
+                    "VLLM_CPU_KVCACHE_SPACE is unset: the colocated vLLM-CPU engine gets a 1 GiB KV cache. Set it (GiB) "
+                    "before building the trainer for longer or more sequences."
+                )
             tag = "eager" if engine_kwargs.get("enforce_eager") else ("piecewise" if piecewise else "compiled")
             if "VLLM_CACHE_ROOT" not in os.environ or is_vllm_cpu():
                 cache_ctx = scoped_cache_root(engine_cache_root(tag))
@@ -206,11 +215,8 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
         from trl import GRPOConfig
 
         if isinstance(args, GRPOConfig):
-            raise TypeError(
-                "RoundAlignGRPOTrainer needs a RoundAlignGRPOConfig (it adds roundalign_regions, roundalign_profile, "
-                "log_mismatch, ...): replace `GRPOConfig(...)` with `RoundAlignGRPOConfig(...)`, same arguments."
-            )
-        raise TypeError(f"args must be a RoundAlignGRPOConfig, got {type(args).__name__}.")
+            return RoundAlignGRPOConfig.from_grpo_config(args)
+        raise TypeError(f"args must be a RoundAlignGRPOConfig or a trl.GRPOConfig, got {type(args).__name__}.")
 
     @staticmethod
     def _check_options(model, args: RoundAlignGRPOConfig) -> None:

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 from trainer_helpers import config_kwargs, make_config, varied_reward  # tests/trainer is on sys.path
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, TrainerCallback
 
-from trl_roundalign import MismatchCallback, RoundAlignGRPOTrainer, get_patch_report
+from trl_roundalign import MismatchCallback, RoundAlignGRPOConfig, RoundAlignGRPOTrainer, get_patch_report
 from trl_roundalign.analysis.compare import Condition, compare_with_engine
 from trl_roundalign.data import arithmetic_dataset
 from trl_roundalign.local_models import tiny_model
@@ -74,35 +74,57 @@ def test_lora_with_gradient_checkpointing_trains(tmp_path, closing):
 
 def test_checkpoint_loads_in_plain_transformers_and_resume_reapplies_patches(tmp_path, closing):
     out = tmp_path / "run"
-    args = make_config(out, max_steps=2, save_strategy="steps", save_steps=2, learning_rate=1e-5)
+    args = make_config(out, max_steps=3, save_strategy="steps", save_steps=2, learning_rate=1e-5)
     trainer = RoundAlignGRPOTrainer(
-        model=str(tiny_model("llama")), reward_funcs=varied_reward, args=args, train_dataset=arithmetic_dataset("train[:32]")
+        model=tiny_model("llama"),  # a Path, as build_tiny_model returns it
+        reward_funcs=varied_reward,
+        args=args,
+        train_dataset=arithmetic_dataset("train[:32]"),
     )
     closing(trainer)
     trainer.train()
     ckpt = out / "checkpoint-2"
     assert ckpt.is_dir()
     plain = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16)
-    trained = dict(trainer.model.named_parameters())
-    for k, v in plain.named_parameters():
-        assert torch.equal(v, trained[k].detach()), k
-    masters = [m.clone() for m in trainer.optimizer.optimizer.masters]
+    saved_masters = torch.load(ckpt / "optimizer.pt", weights_only=False)["masters"]
+    # The checkpoint's bf16 weights are the rounding of its fp32 masters, which hold more than bf16 can.
+    by_name = dict(plain.named_parameters())
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
+    named = [names[id(p)] for p in trainer.optimizer.optimizer._model_params]  # the optimizer's order
+    assert len(named) == len(saved_masters)
+    for n, m in zip(named, saved_masters):
+        assert torch.equal(by_name[n].detach(), m.to(torch.bfloat16)), n
+    assert any(not torch.equal(m, m.to(torch.bfloat16).float()) for m in saved_masters)
+    assert [json.loads(x).get("step") for x in (out / "mismatch.jsonl").read_text().splitlines()][1:] == [1, 2, 3]
     trainer.close()
+
+    class Snapshot(TrainerCallback):
+        masters = None
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            Snapshot.masters = [m.detach().clone() for m in resumed.optimizer.optimizer.masters]
 
     args = make_config(out, max_steps=3, save_strategy="no", learning_rate=1e-5)
     resumed = RoundAlignGRPOTrainer(
-        model=str(tiny_model("llama")), reward_funcs=varied_reward, args=args, train_dataset=arithmetic_dataset("train[:32]")
+        model=str(tiny_model("llama")),
+        reward_funcs=varied_reward,
+        args=args,
+        train_dataset=arithmetic_dataset("train[:32]"),
+        callbacks=[Snapshot()],
     )
     closing(resumed)
     resumed.train(resume_from_checkpoint=str(ckpt))
     assert get_patch_report(resumed.model) is not None
     assert resumed.state.global_step == 3
+    # The fp32 masters came back from the checkpoint bit for bit (not re-derived from the bf16 weights).
+    assert len(Snapshot.masters) == len(saved_masters)
+    for got, want in zip(Snapshot.masters, saved_masters):
+        assert got.dtype == torch.float32 and torch.equal(got, want)
     rows = [json.loads(x) for x in (out / "mismatch.jsonl").read_text().splitlines()]
     assert rows[0]["run_info"]["regions"] == list(PAPER_REGIONS)
     assert any(r.get("resumed_at_step") == 2 for r in rows if "run_info" in r)
+    # Step 3 of the first run was dropped on resume and logged again once.
     assert [r["step"] for r in rows if "step" in r] == [1, 2, 3]
-    # The fp32 masters came back from the checkpoint (not re-derived from bf16 weights).
-    assert len(masters) == len(resumed.optimizer.optimizer.masters)
     resumed.close()
 
 
@@ -131,8 +153,15 @@ def test_guards(tmp_path, closing):
     path = str(tiny_model("llama"))
     from trl import GRPOConfig
 
-    with pytest.raises(TypeError, match="RoundAlignGRPOConfig"):
-        RoundAlignGRPOTrainer(model=path, reward_funcs=varied_reward, args=GRPOConfig(**config_kwargs(tmp_path)), train_dataset=ds)
+    # A plain GRPOConfig is upgraded: its fields kept, the alignment defaults added.
+    plain = GRPOConfig(**config_kwargs(tmp_path, gradient_accumulation_steps=2, vllm_importance_sampling_correction=True))
+    upgraded = RoundAlignGRPOTrainer._upgrade_args(path, plain)
+    assert isinstance(upgraded, RoundAlignGRPOConfig) and upgraded.roundalign_regions == list(PAPER_REGIONS)
+    for key in ("gradient_accumulation_steps", "steps_per_generation", "generation_batch_size", "use_cpu", "seed"):
+        assert getattr(upgraded, key) == getattr(plain, key), key
+    assert upgraded.vllm_importance_sampling_correction is True  # kept from the user's config
+    with pytest.raises(TypeError, match="RoundAlignGRPOConfig or a trl.GRPOConfig"):
+        RoundAlignGRPOTrainer(model=path, reward_funcs=varied_reward, args={"lr": 1}, train_dataset=ds)
     with pytest.raises(ValueError, match="use_liger_kernel"):
         RoundAlignGRPOTrainer(model=path, reward_funcs=varied_reward, args=make_config(tmp_path, use_liger_kernel=True), train_dataset=ds)
     with pytest.raises(ValueError, match="use_kernels"):
@@ -165,6 +194,15 @@ def test_guards(tmp_path, closing):
     # Leaving the with-block shut the engine down and freed it; a second close is harmless.
     assert trainer.vllm_generation.llm is None and llm() is None
     trainer.close()
+
+
+def test_a_cpu_config_as_a_user_writes_it(tmp_path, monkeypatch):
+    """No use_cpu, TRL's default bf16=True: on a machine without an accelerator the config sets use_cpu itself."""
+    import trl_roundalign.config as config_mod
+
+    monkeypatch.setattr(config_mod, "_has_accelerator", lambda: False)
+    cfg = RoundAlignGRPOConfig(output_dir=str(tmp_path))
+    assert cfg.use_cpu is True and cfg.bf16 is True
 
 
 def test_regions_none_and_exact_from_config(tmp_path):
