@@ -6,13 +6,32 @@ every weight and rounds away. `MasterWeightsOptimizer` keeps an fp32 copy of eac
 parameter, steps an inner optimizer on the copies, and writes the rounded result back into the
 model's bf16 parameters in place (the parameter objects are never replaced, so TRL's weight sync
 and PEFT keep their references).
+
+Gradients accumulate in fp32. Autograd produces each micro-batch's gradient in the parameter's
+dtype; a post-accumulate-grad hook adds it into the master's fp32 `.grad` and frees the bf16 one, so
+with `gradient_accumulation_steps=k` the sum is rounded once per micro-batch to fp32 precision
+instead of once per micro-batch to bf16 precision, and no full fp32 copy of the gradients is made at
+step time. Under data parallelism the fp32 sums are averaged across processes at step time
+(`reduce_gradients`, one flat all-reduce per chunk); DDP's own bf16 reduction then only sees the freed
+(zero) gradients, and the trainer turns it off with a no-op communication hook.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
-__all__ = ["MasterWeightsOptimizer"]
+__all__ = ["MasterWeightsOptimizer", "noop_comm_hook"]
+
+# Elements per all-reduce of the flattened fp32 gradients (64 MiB).
+_REDUCE_CHUNK = 1 << 24
+
+
+def noop_comm_hook(state, bucket):
+    """A DDP communication hook that communicates nothing (the masters' fp32 gradients are reduced instead)."""
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
 
 
 class MasterWeightsOptimizer(torch.optim.Optimizer):
@@ -43,6 +62,12 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
                 masters.append(m)
             master_groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": masters})
         self._masters = [m for g in master_groups for m in g["params"]]
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._accumulate_into(m))
+            for p, m in zip(self._model_params, self._masters)
+            if m is not p and p.requires_grad
+        ]
+        self._reduced = False
         self.inner = optimizer_cls(master_groups, **optimizer_kwargs)
         # Share the inner optimizer's bookkeeping (schedulers and clip_grad read these).
         self.defaults = self.inner.defaults
@@ -59,17 +84,77 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
     def masters(self) -> list[torch.Tensor]:
         return self._masters
 
+    @staticmethod
+    def _accumulate_into(master: torch.Tensor):
+        def hook(param: torch.Tensor) -> None:
+            with torch.no_grad():
+                if master.grad is None:
+                    master.grad = param.grad.float()
+                else:
+                    master.grad.add_(param.grad)
+            param.grad = None
+
+        return hook
+
+    def remove_hooks(self) -> None:
+        """Stop accumulating into the masters (gradients then stay in the parameters' `.grad`)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    @torch.no_grad()
+    def reduce_gradients(self, group=None) -> None:
+        """Average the masters' fp32 gradients across the processes of `group` (once per step; no-op alone)."""
+        if self._reduced or not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
+            self._reduced = True
+            return
+        world = dist.get_world_size(group)
+        # Every rank must reduce the same tensors in the same order: a master without a gradient adds zeros.
+        grads = []
+        for m in self._masters:
+            if m.grad is None:
+                m.grad = torch.zeros_like(m)
+            grads.append(m.grad)
+        start = 0
+        while start < len(grads):
+            chunk, size = [], 0
+            while start < len(grads) and (not chunk or size + grads[start].numel() <= _REDUCE_CHUNK):
+                chunk.append(grads[start])
+                size += grads[start].numel()
+                start += 1
+            flat = torch.cat([g.reshape(-1) for g in chunk])
+            dist.all_reduce(flat, group=group)
+            flat.div_(world)
+            offset = 0
+            for g in chunk:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+        self._reduced = True
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Reduce, then clip the masters' fp32 gradients to `max_norm` (inf: only measure); the pre-clip norm."""
+        self.reduce_gradients()
+        grads = [m for m in self._masters if m.grad is not None]
+        if not grads:
+            return torch.zeros(())
+        return torch.nn.utils.clip_grad_norm_(grads, max_norm)
+
     @torch.no_grad()
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("MasterWeightsOptimizer does not support closures.")
         for p, m in zip(self._model_params, self._masters):
-            if m is not p:
-                m.grad = None if p.grad is None else p.grad.detach().float()
+            if m is not p and p.grad is not None:
+                # Gradients that reached .grad without the hook (hooks removed, or set by hand).
+                m.grad = p.grad.float() if m.grad is None else m.grad.add_(p.grad)
+                p.grad = None
+        self.reduce_gradients()
         self.inner.step()
         for p, m in zip(self._model_params, self._masters):
-            if m is not p and p.grad is not None:
+            if m is not p and m.grad is not None:
                 p.copy_(m)  # rounds fp32 -> bf16 once (round-to-nearest-even)
+                m.grad = None  # consumed: the next step accumulates afresh (the trainer zeroes the model only)
+        self._reduced = False
         return None
 
     def zero_grad(self, set_to_none: bool = True):
@@ -81,6 +166,7 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
         for p, m in zip(self._model_params, self._masters):
             if m is not p:
                 m.grad = None
+        self._reduced = False
 
     def state_dict(self):
         return {"inner": self.inner.state_dict(), "masters": [m.detach().clone() for m in self._masters]}

@@ -42,7 +42,7 @@ from .engine import (
     scoped_cache_root,
     wants_piecewise,
 )
-from .optim import MasterWeightsOptimizer
+from .optim import MasterWeightsOptimizer, noop_comm_hook
 from .patching import apply_roundalign, get_patch_report
 from .profiles import is_exact
 
@@ -413,6 +413,32 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
         self.optimizer = MasterWeightsOptimizer(groups, type(optimizer))
         logger.info("fp32 master weights: %d tensors, inner optimizer %s", len(self.optimizer.masters), type(optimizer).__name__)
         return self.optimizer
+
+    def _master_optimizer(self) -> MasterWeightsOptimizer | None:
+        opt = getattr(self, "optimizer", None)
+        opt = getattr(opt, "optimizer", opt)  # accelerate's AcceleratedOptimizer wraps ours
+        return opt if isinstance(opt, MasterWeightsOptimizer) else None
+
+    def training_step(self, model, inputs, num_items_in_batch):
+        opt = self._master_optimizer()
+        if opt is not None and isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            if not getattr(model, "_roundalign_noop_hook", False):
+                # The masters' fp32 gradients are averaged at step time; DDP's bf16 reduction would only move zeros.
+                model.register_comm_hook(None, noop_comm_hook)
+                model._roundalign_noop_hook = True
+        return super().training_step(model, inputs, num_items_in_batch)
+
+    def _clip_grad_norm(self, model):
+        opt = self._master_optimizer()
+        if opt is None:
+            return super()._clip_grad_norm(model)
+        return opt.clip_grad_norm_(self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        opt = self._master_optimizer()
+        if opt is None or grad_norm is not None:
+            return super()._get_grad_norm(model, grad_norm=grad_norm)
+        return opt.clip_grad_norm_(float("inf"))
 
     # ------------------------------------------------------------------ mismatch capture
 

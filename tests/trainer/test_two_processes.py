@@ -36,12 +36,19 @@ def test_two_process_metrics_equal_the_union(tmp_path):
     assert steps == 2
     for a, b in zip(ranks[0]["logged"], ranks[1]["logged"]):
         assert {k: v for k, v in a.items() if k.startswith("mismatch/")} == {k: v for k, v in b.items() if k.startswith("mismatch/")}
+    accumulation = 2  # micro-batches per optimizer step and rank (two_process_run.py)
     for step in range(steps):
-        # One micro-batch per step per rank here (gradient_accumulation_steps=1).
-        parts = [r["recorded"][step] for r in ranks]
+        parts = [p for r in ranks for p in r["recorded"][accumulation * step : accumulation * (step + 1)]]
         union = metrics.merge_sums([metrics.mismatch_sums(t, s, m) for t, s, m in parts])
         expected = metrics.finalize(union)
         logged = ranks[0]["logged"][step]
         assert logged["mismatch/tokens"] == expected["mismatch/tokens"] == sum(int(p[2].sum()) for p in parts)
         for key, value in expected.items():
             assert logged[key] == pytest.approx(value, rel=1e-12, abs=0), key
+    # Data parallelism with fp32 masters: the fp32 gradient sums were averaged across the ranks (DDP's bf16
+    # reduction is off), so both ranks took the same step and hold the same masters and weights.
+    assert ranks[0]["moved"] and ranks[0]["moved"] == ranks[1]["moved"]
+    for k, v in ranks[0]["final"].items():
+        assert torch.equal(v, ranks[1]["final"][k]), k
+    for a, b in zip(ranks[0]["masters"], ranks[1]["masters"]):
+        assert a.dtype == torch.float32 and torch.equal(a, b)

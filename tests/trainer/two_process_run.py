@@ -14,10 +14,11 @@ sys.path.insert(0, os.path.dirname(__file__))
 from trainer_helpers import make_config, varied_reward  # noqa: E402
 
 out = sys.argv[1]
-args = make_config(out, max_steps=2, vllm_gpu_memory_utilization=0.2)
+args = make_config(out, max_steps=2, vllm_gpu_memory_utilization=0.2, gradient_accumulation_steps=2, learning_rate=1e-3)
 trainer = RoundAlignGRPOTrainer(
     model=str(tiny_model("qwen3")), reward_funcs=varied_reward, args=args, train_dataset=arithmetic_dataset("train[:32]")
 )
+initial = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
 cb = trainer._mismatch_callback
 recorded = []
 original = cb.record
@@ -32,4 +33,16 @@ cb.record = record
 trainer.train()
 rank = int(os.environ.get("RANK", 0))
 logged = [h for h in trainer.state.log_history if "mismatch/kl_k3" in h]
-torch.save({"recorded": recorded, "logged": logged, "world": trainer.accelerator.num_processes}, os.path.join(out, f"rank{rank}.pt"))
+final = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
+masters = [m.detach().clone() for m in trainer.optimizer.optimizer.masters]
+torch.save(
+    {
+        "recorded": recorded,
+        "logged": logged,
+        "world": trainer.accelerator.num_processes,
+        "moved": sorted(k for k in final if not torch.equal(final[k], initial[k])),
+        "final": final,
+        "masters": masters,
+    },
+    os.path.join(out, f"rank{rank}.pt"),
+)
