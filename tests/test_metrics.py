@@ -66,7 +66,9 @@ def test_hand_built_batch_known_answers():
     assert s.abs_diff_sum == 2 * L + 0.375
     assert s.abs_diff_max == L
     assert torch.equal(s.seq_log_ratios, torch.tensor([0.0, 0.375], dtype=torch.float64))  # row 2 has no token
-    assert sorted(s.abs_diffs.tolist()) == [0.0, 0.125, 0.25, L, L]
+    # |Δ| = [0, .125, .25, L, L] in four histogram buckets, each holding one distinct value.
+    assert s.abs_diff_counts.tolist() == [1, 1, 1, 2]
+    assert s.abs_diff_bounds[:, 0].tolist() == s.abs_diff_bounds[:, 1].tolist() == [0.0, 0.125, 0.25, L]
 
     out = finalize(s)
     assert list(out) == list(METRIC_KEYS)
@@ -227,6 +229,34 @@ def test_quantile_linear_matches_the_definition_and_torch():
         assert ours == pytest.approx(ref, rel=0, abs=1e-15)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_histogram_quantiles_within_the_stated_bound(seed):
+    """Against the exact linear-interpolation quantiles of the same fp32 values: relative error <= HIST_REL_ERROR."""
+    from trl_roundalign.metrics import HIST_REL_ERROR, MismatchSums
+
+    g = torch.Generator().manual_seed(seed)
+    n = 20000
+    # |Δ| over many octaves (1e-9 .. 10), with ties and exact zeros, as logged mismatches look.
+    v = torch.exp(torch.empty(n, dtype=torch.float64).uniform_(math.log(1e-9), math.log(10.0), generator=g))
+    v[torch.rand(n, generator=g) < 0.3] = 0.0
+    v[:50] = v[50]
+    train = -torch.rand(1, n, generator=g, dtype=torch.float64)
+    infer = train - v[None, :] * torch.where(torch.rand(1, n, generator=g) < 0.5, 1.0, -1.0).double()
+    s = mismatch_sums(train, infer, None)
+    exact_values = (train - infer).abs().float().reshape(-1)
+    qs = [0.0, 0.01, 0.3, 0.5, 0.9, 0.99, 0.999, 1.0]
+    want = quantile_linear(exact_values, qs)
+    from trl_roundalign.metrics import histogram_quantiles
+
+    got = histogram_quantiles(s.abs_diff_buckets, s.abs_diff_counts, s.abs_diff_bounds, qs)
+    for q, a, b in zip(qs, got, want):
+        assert abs(a - b) <= HIST_REL_ERROR * b, (q, a, b)
+    assert got[0] == want[0] == 0.0  # a bucket of one distinct value (the zeros) stands for it exactly
+    # Bounded size: one bucket per (octave, 8 mantissa bits) seen, far fewer than the tokens.
+    assert s.abs_diff_buckets.numel() < 34 * 256 and s.abs_diff_buckets.numel() < n
+    assert isinstance(s, MismatchSums)
+
+
 def _random_batch(seed: int, b: int = 7, t: int = 11):
     g = torch.Generator().manual_seed(seed)
     infer = -torch.rand(b, t, generator=g) * 4
@@ -245,7 +275,8 @@ def _assert_merge_equals_union(parts: list[MismatchSums], union: MismatchSums):
     for name in ("tokens", "nan_tokens", "bitwise_equal", "outside_clip", "ratio_min", "ratio_max", "abs_diff_max"):
         assert getattr(merged, name) == getattr(union, name), name
     assert torch.equal(merged.seq_log_ratios, union.seq_log_ratios)
-    assert torch.equal(merged.abs_diffs, union.abs_diffs)
+    for name in ("abs_diff_buckets", "abs_diff_counts", "abs_diff_bounds"):
+        assert torch.equal(getattr(merged, name), getattr(union, name)), name
     # float64 sums in a different order: equal up to float64 rounding (module docstring)
     for name in ("k1_sum", "k3_sum", "abs_diff_sum"):
         assert getattr(merged, name) == pytest.approx(getattr(union, name), rel=1e-12, abs=1e-15), name
