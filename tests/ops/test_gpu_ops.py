@@ -37,6 +37,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from trl_roundalign._compat import inductor_option
 from trl_roundalign.ops import add_rms_norm, qk_norm_rope, rms_norm, rope, swiglu
 from trl_roundalign.profiles import get_profile
 
@@ -343,14 +344,7 @@ def _compiled(fn, **inductor_config):
 
 
 def _has_inductor_option(name: str) -> bool:
-    import torch._inductor.config as cfg
-
-    obj = cfg
-    for part in name.split("."):
-        if not hasattr(obj, part):
-            return False
-        obj = getattr(obj, part)
-    return True
+    return inductor_option(name) is not None
 
 
 def _hf_cos_sin_from_cache(cache: torch.Tensor, positions: torch.Tensor, rd: int):

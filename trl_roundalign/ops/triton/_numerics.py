@@ -40,6 +40,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from ..._compat import inductor_option
+
 __all__ = [
     "ARITH_EAGER",
     "ARITH_INDUCTOR",
@@ -74,17 +76,6 @@ MAX_WIDTH = 1 << 16
 ARITH_EAGER, ARITH_INDUCTOR, ARITH_INDUCTOR_RN = 0, 1, 2
 
 
-def _inductor_option(name: str):
-    import torch._inductor.config as cfg
-
-    obj = cfg
-    for part in name.split("."):
-        if not hasattr(obj, part):
-            return None
-        obj = getattr(obj, part)
-    return obj
-
-
 def arith_for(gpu_kernels: str) -> int:
     """The `ARITH` of a profile's forward kernels: eager CUDA, or Inductor's Triton as configured now.
 
@@ -101,13 +92,13 @@ def arith_for(gpu_kernels: str) -> int:
     if gpu_kernels != "inductor":
         raise ValueError(f"gpu_kernels must be 'eager' or 'inductor', got {gpu_kernels!r}.")
     for option in ("emulate_precision_casts", "use_fast_math"):
-        if _inductor_option(option):
+        if inductor_option(option):
             raise RuntimeError(
                 f"torch._inductor.config.{option} is on: the compiled engine then rounds or computes in a way no "
                 "trl_roundalign kernel copies. Turn it off (TORCHINDUCTOR_EMULATE_PRECISION_CASTS=0) or run "
                 "`trl-roundalign probe` to see which profile matches the engine."
             )
-    division_rn = _inductor_option("eager_numerics.division_rounding") or _inductor_option("emulate_divison_rounding")
+    division_rn = inductor_option("eager_numerics.division_rounding") or inductor_option("emulate_divison_rounding")
     return ARITH_INDUCTOR_RN if division_rn else ARITH_INDUCTOR
 
 
