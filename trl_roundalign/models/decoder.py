@@ -14,7 +14,11 @@ transformers 5.17's forwards op for op, except where a region is switched on:
 - backbone: derives RoPE positions from a 2-D attention mask when no `position_ids` are passed
   (vLLM numbers each sequence's tokens from 0; TRL left-pads prompts and passes no positions).
 
-Nothing here adds, replaces or renames parameters.
+Nothing here adds, replaces or renames parameters, and every parameter is read inside a call of the
+module that owns it (`_as_forward_of`): an RMSNorm whose weight an aligned region reads directly (the
+q/k-norm fused into RoPE, the residual add + norm) is still *called*, so module hooks fire around that
+read. ZeRO-3 gathers a module's parameters in its forward pre-hook and releases them in its forward hook;
+without the call the region would read an ungathered (empty) weight.
 """
 
 from __future__ import annotations
@@ -47,6 +51,19 @@ def _state(module) -> LayerState:
     return module.__dict__["_roundalign"]
 
 
+def _as_forward_of(module: torch.nn.Module, fn, *args):
+    """`fn(*args)` run as `module`'s forward: through `module(...)`, so its pre-hooks and hooks fire around it."""
+    previous = module.__dict__.get("forward")
+    module.__dict__["forward"] = fn
+    try:
+        return module(*args)
+    finally:
+        if previous is None:
+            del module.__dict__["forward"]
+        else:
+            module.__dict__["forward"] = previous
+
+
 # ----------------------------------------------------------------------------- attention
 
 
@@ -75,14 +92,15 @@ def aligned_attention_forward(
     has_qk_norm = hasattr(self, "q_norm")
     if "rope" in st.regions:
         if has_qk_norm:
-            q = ops.qk_norm_rope(
-                q, self.q_norm.weight, self.q_norm.variance_epsilon, cos4, sin4,
+            q_norm, k_norm = self.q_norm, self.k_norm
+            q = _as_forward_of(q_norm, lambda x: ops.qk_norm_rope(
+                x, q_norm.weight, q_norm.variance_epsilon, cos4, sin4,
                 profile=prof, backend=backend, reduction_lanes=st.lanes.get("q_norm"),
-            )
-            k = ops.qk_norm_rope(
-                k, self.k_norm.weight, self.k_norm.variance_epsilon, cos4, sin4,
+            ), q)
+            k = _as_forward_of(k_norm, lambda x: ops.qk_norm_rope(
+                x, k_norm.weight, k_norm.variance_epsilon, cos4, sin4,
                 profile=prof, backend=backend, reduction_lanes=st.lanes.get("k_norm"),
-            )
+            ), k)
         else:
             q = ops.rope(q, cos4, sin4, profile=prof, backend=backend)
             k = ops.rope(k, cos4, sin4, profile=prof, backend=backend)
@@ -177,11 +195,12 @@ def aligned_decoder_layer_forward(
     st = _state(self)
     prof, backend = st.profile, st.backend
     norm_in, norm_post = self.input_layernorm, self.post_attention_layernorm
+    # A partitioned (ZeRO-3) weight keeps its dtype: reading `.dtype` outside the norm's call is safe.
     residual, norm_input = _stream(hidden_states, prof, norm_in.weight.dtype)
-    normed = ops.rms_norm(
-        norm_input, norm_in.weight, norm_in.variance_epsilon,
+    normed = _as_forward_of(norm_in, lambda x: ops.rms_norm(
+        x, norm_in.weight, norm_in.variance_epsilon,
         profile=prof, backend=backend, reduction_lanes=st.lanes.get("input_layernorm"),
-    )
+    ), norm_input)
     attn_out, _ = self.self_attn(
         hidden_states=normed,
         attention_mask=attention_mask,
@@ -191,10 +210,10 @@ def aligned_decoder_layer_forward(
         position_embeddings=position_embeddings,
         **kwargs,
     )
-    normed, residual = ops.add_rms_norm(
-        attn_out, residual, norm_post.weight, norm_post.variance_epsilon,
+    normed, residual = _as_forward_of(norm_post, lambda a, r: ops.add_rms_norm(
+        a, r, norm_post.weight, norm_post.variance_epsilon,
         profile=prof, backend=backend, reduction_lanes=st.lanes.get("post_attention_layernorm"),
-    )
+    ), attn_out, residual)
     mlp_out = self.mlp(normed)
     # The add after the MLP belongs to the next norm (vLLM fuses it there): hand on the fp32 sum;
     # under residual="round" the next layer rounds it for the stream (see `_stream`).
