@@ -21,10 +21,47 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["MasterWeightsOptimizer", "noop_comm_hook"]
+__all__ = ["MasterWeightsOptimizer", "distributed_master_weights", "noop_comm_hook"]
 
 # Elements per all-reduce of the flattened fp32 gradients (64 MiB).
 _REDUCE_CHUNK = 1 << 24
+
+
+def distributed_master_weights(
+    distributed_type: str,
+    mixed_precision: str,
+    deepspeed_config: dict | None = None,
+    fsdp_param_dtype: torch.dtype | None = None,
+) -> tuple[str | None, bool, str]:
+    """Whether a distributed engine keeps fp32 master weights, from its actual settings.
+
+    Args:
+        distributed_type: accelerate's `DistributedType` (as a string).
+        mixed_precision: accelerate's mixed precision (`"no"`, `"bf16"`, `"fp16"`).
+        deepspeed_config: the DeepSpeed config in use (its `bf16`/`fp16` sections; `"auto"` follows
+            `mixed_precision`, as the HF integration resolves it).
+        fsdp_param_dtype: the FSDP mixed-precision policy's `param_dtype`, when one is set.
+
+    Returns:
+        `(engine, keeps, why)`: engine `"DeepSpeed"`, `"FSDP"` or None (no such engine: DDP or one process);
+        whether it keeps fp32 masters; a sentence saying why.
+    """
+    dt = str(distributed_type).upper()
+    if "DEEPSPEED" in dt:
+        cfg = deepspeed_config or {}
+
+        def enabled(section: str) -> bool:
+            value = (cfg.get(section) or {}).get("enabled", False)
+            return mixed_precision == section if value == "auto" else bool(value)
+
+        if enabled("bf16") or enabled("fp16"):
+            return "DeepSpeed", True, "DeepSpeed's bf16/fp16 mode keeps fp32 master weights in its optimizer"
+        return "DeepSpeed", False, "the DeepSpeed config enables neither bf16 nor fp16, so it keeps no fp32 master weights"
+    if "FSDP" in dt:
+        if mixed_precision in ("bf16", "fp16") or fsdp_param_dtype in (torch.bfloat16, torch.float16):
+            return "FSDP", True, "with mixed precision accelerate upcasts the parameters to fp32 before FSDP shards them"
+        return "FSDP", False, "FSDP without mixed precision shards the bf16 parameters as they are (no fp32 copy)"
+    return None, False, ""
 
 
 def noop_comm_hook(state, bucket):

@@ -42,7 +42,7 @@ from .engine import (
     scoped_cache_root,
     wants_piecewise,
 )
-from .optim import MasterWeightsOptimizer, noop_comm_hook
+from .optim import MasterWeightsOptimizer, distributed_master_weights, noop_comm_hook
 from .patching import apply_roundalign, get_patch_report
 from .profiles import is_exact
 
@@ -77,12 +77,20 @@ def check_trl_internals(cls=GRPOTrainer) -> None:
             )
 
 
-def _distributed_keeps_fp32_masters(args) -> bool:
-    try:
-        dt = str(args.distributed_state.distributed_type)
-    except Exception:  # pragma: no cover - accelerate state unavailable
-        return False
-    return "DEEPSPEED" in dt or "FSDP" in dt
+def _distributed_precision(accelerator) -> tuple[str | None, bool, str]:
+    """`optim.distributed_master_weights` from the accelerator's actual DeepSpeed/FSDP settings."""
+    if accelerator is None:
+        return None, False, ""
+    state = accelerator.state
+    ds_plugin = getattr(state, "deepspeed_plugin", None)
+    fsdp_plugin = getattr(state, "fsdp_plugin", None)
+    policy = getattr(fsdp_plugin, "mixed_precision_policy", None)
+    return distributed_master_weights(
+        str(accelerator.distributed_type),
+        str(accelerator.mixed_precision),
+        deepspeed_config=getattr(ds_plugin, "deepspeed_config", None),
+        fsdp_param_dtype=getattr(policy, "param_dtype", None),
+    )
 
 
 @contextlib.contextmanager
@@ -392,17 +400,24 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
         return any(p.dtype in (torch.bfloat16, torch.float16) for p in self.model.parameters() if p.requires_grad)
 
     def _uses_master_weights(self) -> bool:
-        return (
-            self._has_low_precision_params()
-            and not _distributed_keeps_fp32_masters(self.args)
-            and self.args.roundalign_fp32_master_weights
-        )
+        engine, _, _ = _distributed_precision(getattr(self, "accelerator", None))
+        return self._has_low_precision_params() and engine is None and self.args.roundalign_fp32_master_weights
 
     def create_optimizer(self, model=None):
         optimizer = super().create_optimizer(model) if "model" in inspect.signature(super().create_optimizer).parameters else super().create_optimizer()
         low = self._has_low_precision_params()
-        if not low or _distributed_keeps_fp32_masters(self.args) or isinstance(optimizer, MasterWeightsOptimizer):
+        if not low or isinstance(optimizer, MasterWeightsOptimizer):
             return optimizer
+        engine, keeps, why = _distributed_precision(getattr(self, "accelerator", None))
+        if engine is not None:
+            if keeps:
+                logger.info("fp32 master weights: kept by %s (%s)", engine, why)
+                return optimizer
+            raise ValueError(
+                f"The trainable parameters are bf16/fp16 and {why}: updates below half a bf16 ulp (most of them at lr "
+                "1e-6) would round away. Train with mixed precision: bf16=True (accelerate --mixed_precision bf16), "
+                "and for DeepSpeed a config with \"bf16\": {\"enabled\": \"auto\"}."
+            )
         if not self.args.roundalign_fp32_master_weights:
             raise ValueError(
                 "The trainable parameters are bf16/fp16 and no DeepSpeed/FSDP mixed precision keeps fp32 master "

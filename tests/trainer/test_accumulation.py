@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -132,6 +133,28 @@ def test_ddp_averages_fp32_sums_across_processes(tmp_path):
         for r in range(world):
             assert ((got[r][k].double() - exact).abs() <= bound).all(), f"rank {r} tensor {k}"
         assert torch.equal(got[0][k], got[1][k]), "ranks must hold identical gradients"
+
+
+def test_zero3_and_fsdp2_precision_is_read_from_their_settings():
+    """Who keeps fp32 masters under DeepSpeed/FSDP, decided by their actual precision settings."""
+    import yaml
+
+    from trl_roundalign.optim import distributed_master_weights
+
+    # The recipes' DeepSpeed configs as accelerate passes them (mixed_precision bf16, bf16 "auto" in the HF config).
+    assert distributed_master_weights("DistributedType.DEEPSPEED", "bf16", {"bf16": {"enabled": "auto"}})[:2] == (
+        "DeepSpeed",
+        True,
+    )
+    engine, keeps, why = distributed_master_weights("DEEPSPEED", "no", {"bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 3}})
+    assert (engine, keeps) == ("DeepSpeed", False) and "neither bf16 nor fp16" in why
+    assert distributed_master_weights("DEEPSPEED", "no", {"fp16": {"enabled": True}})[1] is True
+    cfg = yaml.safe_load(open(Path(__file__).parents[2] / "recipes" / "accelerate_configs" / "fsdp2.yaml"))
+    assert distributed_master_weights("FSDP", cfg["mixed_precision"])[:2] == ("FSDP", True)
+    engine, keeps, why = distributed_master_weights("DistributedType.FSDP", "no")
+    assert (engine, keeps) == ("FSDP", False) and "no fp32 copy" in why
+    assert distributed_master_weights("FSDP", "no", fsdp_param_dtype=torch.bfloat16)[1] is True
+    assert distributed_master_weights("MULTI_CPU", "no") == (None, False, "")
 
 
 if __name__ == "__main__":  # pragma: no cover
