@@ -173,6 +173,11 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
         self.roundalign_verification = None
         self._roundalign_lanes = None
         try:
+            if args.use_vllm and getattr(self, "vllm_generation", None) is not None:
+                from .lora import install_lossless_peft_sync
+
+                if install_lossless_peft_sync(self.vllm_generation):
+                    logger.info("PEFT weight sync: merged weights computed out of place (the base weights stay bit-exact)")
             if colocate:
                 record_inductor_dir(self.vllm_generation.llm)
                 self.roundalign_engine = engine_info(self.vllm_generation.llm)

@@ -231,3 +231,53 @@ def test_fp32_lm_head_on_both_sides(tmp_path, closing):
     trainer.train()
     assert not torch.equal(before, trainer.model.lm_head.weight), "the fp32 head is its own master and must train"
     trainer.close()
+
+
+@pytest.mark.parametrize("sync", ["trl", "lossless"])
+def test_lora_weight_sync_leaves_the_frozen_base_bit_identical(tmp_path, closing, sync):
+    """6 LoRA GRPO steps at a large learning rate: TRL's in-place merge/unmerge drifts the frozen base weights,
+    the lossless sync (the trainer's default) leaves every one bit-identical."""
+    peft = pytest.importorskip("peft")
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    args = make_config(tmp_path, max_steps=6, learning_rate=5e-2)
+    trainer = RoundAlignGRPOTrainer(
+        model=str(tiny_model("qwen3")),
+        reward_funcs=varied_reward,
+        args=args,
+        train_dataset=arithmetic_dataset("train[:32]"),
+        peft_config=peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"], task_type="CAUSAL_LM"),
+    )
+    closing(trainer)
+    if sync == "trl":  # TRL's own PEFT sync, for the comparison
+        trainer.vllm_generation._iter_named_params = VLLMGeneration._iter_named_params.__get__(trainer.vllm_generation)
+    base = {k: v.detach().clone() for k, v in trainer.model.named_parameters() if "lora_" not in k}
+    lora_b = {k: v.detach().clone() for k, v in trainer.model.named_parameters() if "lora_B" in k}
+    trainer.train()
+    assert trainer.state.global_step == 6
+    assert any(not torch.equal(v, lora_b[k]) for k, v in trainer.model.named_parameters() if k in lora_b)
+    after = dict(trainer.model.named_parameters())
+    changed = sum(int((after[k].detach() != v).sum()) for k, v in base.items())
+    total = sum(v.numel() for v in base.values())
+    print(f"{sync} sync: {changed} of {total} frozen base elements changed after 6 steps")
+    if sync == "lossless":
+        assert changed == 0
+        # What vLLM receives is what PEFT's own merge gives (on a copy, merged in place as TRL would).
+        import copy
+
+        from trl_roundalign.lora import lossless_peft_params
+
+        sent = dict(lossless_peft_params(trainer.vllm_generation))
+        merged = copy.deepcopy(trainer.model)
+        merged.merge_adapter()
+        want = {
+            n.removeprefix("base_model.model.").replace(".base_layer", ""): p.detach()
+            for n, p in merged.named_parameters()
+            if "lora_" not in n
+        }
+        assert set(sent) == set(want)
+        for name, tensor in sent.items():
+            assert torch.equal(tensor, want[name]), name
+    else:
+        assert changed > 0, "TRL's in-place merge/unmerge should drift the bf16 base (else this test cannot tell)"
+    trainer.close()
