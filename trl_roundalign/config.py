@@ -97,6 +97,13 @@ class RoundAlignGRPOConfig(GRPOConfig):
             "better (exact mode: anything short of 100%% bit-identical). The result goes into mismatch.jsonl's header."
         },
     )
+    roundalign_lora_forward: str = field(
+        default="merged",
+        metadata={
+            "help": "With a PEFT LoRA policy: 'merged' computes each LoRA layer with the merged weight vLLM receives "
+            "(r(W + s B A), one GEMM; needs lora_dropout=0), 'peft' keeps PEFT's W x + s B(A x)."
+        },
+    )
     log_mismatch: bool = field(
         default=True,
         metadata={"help": "Attach MismatchCallback: log the train/inference log-prob mismatch every optimizer step."},
@@ -157,6 +164,8 @@ class RoundAlignGRPOConfig(GRPOConfig):
             raise ValueError(
                 f"roundalign_profile={self.roundalign_profile!r} is unknown; use 'auto' or one of {', '.join(PROFILES)}."
             )
+        if self.roundalign_lora_forward not in ("merged", "peft"):
+            raise ValueError(f"roundalign_lora_forward={self.roundalign_lora_forward!r}: use 'merged' or 'peft'.")
         if self.roundalign_backend in ("none", "None", ""):
             self.roundalign_backend = None
         if self.roundalign_backend not in (None, "triton", "torch"):

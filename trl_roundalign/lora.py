@@ -8,6 +8,10 @@ every sync moves the "frozen" base (and the reference model, which is the base w
 merged weight `r(f(W) + f(d))` with PEFT's own `get_delta_weight` (the bits PEFT's in-place `W += d` gives),
 one layer at a time, and the base weights are never written. Vanilla LoRA only: variants (DoRA, ...) are
 refused by `check_lossless_supported`.
+
+`merged_lora_forward` makes the trainer compute what vLLM runs after that sync: `x @ r(W + ΔW)^T`, one
+GEMM with the merged weight (materialised for one layer at a time), instead of PEFT's `W x + s B(A x)`;
+gradients reach A and B through the merge (`_MergedLinear`).
 """
 
 from __future__ import annotations
@@ -16,7 +20,13 @@ import types
 
 import torch
 
-__all__ = ["check_lossless_supported", "install_lossless_peft_sync", "lossless_peft_params"]
+__all__ = [
+    "check_lossless_supported",
+    "install_lossless_peft_sync",
+    "install_merged_lora_forward",
+    "lossless_peft_params",
+    "merged_lora_forward",
+]
 
 
 def _lora_layers(model):
@@ -90,3 +100,73 @@ def install_lossless_peft_sync(vllm_generation) -> bool:
     check_lossless_supported(model)
     vllm_generation._iter_named_params = types.MethodType(lambda self: lossless_peft_params(self), vllm_generation)
     return True
+
+
+# ----------------------------------------------------------------------------- merged-weight forward
+
+
+class _MergedLinear(torch.autograd.Function):
+    """`x @ r(W + ΔW)^T + b` with `ΔW = s B A` as PEFT computes it; gradients reach A and B.
+
+    The rounding of the merge is treated as the identity in the backward (the weight's gradient is the
+    gradient of a linear layer, `dW = dy^T x` in fp32), then `dB = s dW A^T`, `dA = s B^T dW`.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, layer, adapters, *lora_weights):
+        with torch.no_grad():
+            merged = _merged(weight, [layer.get_delta_weight(a) for a in adapters])
+        ctx.save_for_backward(x, merged, *lora_weights)
+        ctx.layer, ctx.adapters, ctx.has_bias = layer, adapters, bias is not None
+        return torch.nn.functional.linear(x, merged, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, merged, *lora_weights = ctx.saved_tensors
+        layer, adapters = ctx.layer, ctx.adapters
+        dx = dy @ merged
+        dbias = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.has_bias else None
+        dw = dy.reshape(-1, dy.shape[-1]).float().t() @ x.reshape(-1, x.shape[-1]).float()  # [out, in], fp32
+        grads = []
+        for i, a in enumerate(adapters):
+            wa, wb = lora_weights[2 * i], lora_weights[2 * i + 1]
+            s = layer.scaling[a]
+            grads.append((s * (wb.float().t() @ dw)).to(wa.dtype))  # dA
+            grads.append((s * (dw @ wa.float().t())).to(wb.dtype))  # dB
+        return (dx, None, dbias, None, None, *grads)
+
+
+def merged_lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """PEFT LoRA `Linear.forward` computed with the merged weight vLLM receives (bound to a layer instance)."""
+    base = self.get_base_layer()
+    adapters = [a for a in self.active_adapters if a in self.lora_A]
+    if self.disable_adapters or self.merged or not adapters or kwargs.get("adapter_names") is not None:
+        return type(self).forward(self, x, *args, **kwargs)
+    if self.training:
+        for a in adapters:
+            p = getattr(self.lora_dropout[a], "p", 0.0)
+            if p:
+                raise ValueError(
+                    f"lora_dropout={p}: the merged-weight LoRA forward cannot drop inputs of the adapter path alone. Set "
+                    "lora_dropout=0 in the LoraConfig, or roundalign_lora_forward='peft' (the forward then differs from vLLM's)."
+                )
+    lora_weights = []
+    for a in adapters:
+        lora_weights += [self.lora_A[a].weight, self.lora_B[a].weight]
+    x = x.to(base.weight.dtype)
+    return _MergedLinear.apply(x, base.weight, base.bias, self, adapters, *lora_weights)
+
+
+def install_merged_lora_forward(model) -> int:
+    """Bind `merged_lora_forward` to every PEFT LoRA `Linear` of `model`; returns how many layers."""
+    from peft.tuners.lora import Linear as LoraLinear
+
+    check_lossless_supported(model)
+    n = 0
+    for m in model.modules():
+        if isinstance(m, LoraLinear):
+            if getattr(m, "fan_in_fan_out", False):
+                raise ValueError("fan_in_fan_out LoRA layers (Conv1D bases) are not supported by the merged LoRA forward.")
+            m.forward = types.MethodType(merged_lora_forward, m)
+            n += 1
+    return n

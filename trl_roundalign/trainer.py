@@ -178,6 +178,11 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
 
                 if install_lossless_peft_sync(self.vllm_generation):
                     logger.info("PEFT weight sync: merged weights computed out of place (the base weights stay bit-exact)")
+                    if args.roundalign_lora_forward == "merged":
+                        from .lora import install_merged_lora_forward
+
+                        n = install_merged_lora_forward(self.model)
+                        logger.info("LoRA forward: %d layers compute with the merged weight vLLM receives", n)
             if colocate:
                 record_inductor_dir(self.vllm_generation.llm)
                 self.roundalign_engine = engine_info(self.vllm_generation.llm)

@@ -281,3 +281,37 @@ def test_lora_weight_sync_leaves_the_frozen_base_bit_identical(tmp_path, closing
     else:
         assert changed > 0, "TRL's in-place merge/unmerge should drift the bf16 base (else this test cannot tell)"
     trainer.close()
+
+
+def test_lora_merged_forward_lowers_the_mismatch(tmp_path, closing):
+    """LoRA GRPO against the engine: PEFT's forward vs the merged-weight forward, three regions.
+
+    Exact mode with LoRA is not exact yet (mean k3 6.3e-7 over steps 2-4 here, although vLLM holds exactly the
+    merged weights the trainer multiplies by): an open finding, not asserted (README, LoRA).
+    """
+    peft = pytest.importorskip("peft")
+    runs = {
+        "peft/three_region": dict(roundalign_lora_forward="peft"),
+        "merged/three_region": dict(roundalign_lora_forward="merged"),
+    }
+    k3 = {}
+    for name, extra in runs.items():
+        args = make_config(tmp_path / name.replace("/", "_"), max_steps=4, learning_rate=5e-2, **extra)
+        trainer = RoundAlignGRPOTrainer(
+            model=str(tiny_model("qwen3")),
+            reward_funcs=varied_reward,
+            args=args,
+            train_dataset=arithmetic_dataset("train[:32]"),
+            peft_config=peft.LoraConfig(
+                r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"],
+                task_type="CAUSAL_LM",
+            ),
+        )
+        closing(trainer)
+        trainer.train()
+        steps = [h["mismatch/kl_k3"] for h in trainer.state.log_history if "mismatch/kl_k3" in h]
+        assert len(steps) == 4
+        k3[name] = sum(steps[1:]) / 3  # step 1 runs with B = 0 (PEFT's init): both forwards are W x there
+        trainer.close()
+    print("LoRA mean k3, steps 2-4:", {k: f"{v:.3e}" for k, v in k3.items()})
+    assert k3["merged/three_region"] < k3["peft/three_region"]
