@@ -57,12 +57,10 @@ class MismatchCallback(TrainerCallback):
 
     def attach(self, trainer) -> MismatchCallback:
         """Connect to a trainer (callbacks get no trainer reference otherwise)."""
-        from .trainer import RoundAlignGRPOTrainer
-
         self.trainer = trainer
         if not getattr(trainer, "use_vllm", False):
             raise ValueError("MismatchCallback compares the trainer with vLLM: the trainer must use vLLM (use_vllm=True).")
-        if isinstance(trainer, RoundAlignGRPOTrainer):
+        if getattr(trainer, "feeds_mismatch_callback", False):  # RoundAlignGRPOTrainer calls record() itself
             return self
         if not getattr(trainer, "vllm_importance_sampling_correction", False):
             raise ValueError(

@@ -84,15 +84,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def engine_kwargs_from(args) -> dict:
-    kw: dict = {"enforce_eager": bool(args.enforce_eager), "max_model_len": args.max_model_len}
-    if args.gpu_memory_utilization is not None:
-        kw["gpu_memory_utilization"] = args.gpu_memory_utilization
-    if args.custom_ops:
-        kw["compilation_config"] = {"custom_ops": [s.strip() for s in args.custom_ops.split(",") if s.strip()]}
-    return kw
-
-
 def cmd_env(args) -> int:
     import platform
 
@@ -119,10 +110,10 @@ def cmd_env(args) -> int:
     rows["vllm platform"] = "cpu" if is_vllm_cpu() else ("cuda" if torch.cuda.is_available() else "n/a")
     rows["TRITON_INTERPRET"] = os.environ.get("TRITON_INTERPRET", "unset")
     if args.engine:
-        from .engine import build_llm, close_llm, engine_info, profile_for_engine
+        from .engine import build_llm, close_llm, engine_info, engine_kwargs_from, profile_for_engine
         from .local_models import tiny_model
 
-        llm = build_llm(tiny_model("qwen3"), **engine_kwargs_from(args))
+        llm = build_llm(tiny_model("qwen3"), **engine_kwargs_from(args.enforce_eager, args.max_model_len, args.gpu_memory_utilization, args.custom_ops))
         info = engine_info(llm)
         close_llm(llm)
         rows["engine mode"] = f"{info.compile_mode} (enforce_eager={info.enforce_eager}, custom_ops={info.custom_ops})"

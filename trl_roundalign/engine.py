@@ -52,6 +52,21 @@ __all__ = [
 ]
 
 
+def engine_kwargs_from(
+    enforce_eager: bool = False,
+    max_model_len: int | None = None,
+    gpu_memory_utilization: float | None = None,
+    custom_ops: str | None = None,
+) -> dict:
+    """`vllm.LLM` keyword arguments for the CLI's engine options (`--enforce-eager`, `--custom-ops a,b`, ...)."""
+    kw: dict = {"enforce_eager": bool(enforce_eager), "max_model_len": max_model_len}
+    if gpu_memory_utilization is not None:
+        kw["gpu_memory_utilization"] = gpu_memory_utilization
+    if custom_ops:
+        kw["compilation_config"] = {"custom_ops": [s.strip() for s in custom_ops.split(",") if s.strip()]}
+    return kw
+
+
 def set_offline_defaults(cache: str | os.PathLike, *, in_process_vllm: bool = True) -> None:
     """Environment defaults for offline runs on this kind of machine (existing values win).
 

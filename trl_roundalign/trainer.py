@@ -122,6 +122,9 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
     `self.roundalign_engine` (an `EngineInfo`, colocate mode) say what was aligned to what.
     """
 
+    # MismatchCallback.attach reads this: the trainer records the log-probs itself (no import of this class there).
+    feeds_mismatch_callback = True
+
     def __init__(self, model, reward_funcs=None, args=None, *posargs, **kwargs):
         check_trl_internals()
         if isinstance(model, os.PathLike):

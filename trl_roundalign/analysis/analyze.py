@@ -350,7 +350,7 @@ def _plots(summary: dict, comp: Comparison, out: Path) -> None:
 
 
 def run_analyze_cli(args) -> int:
-    from ..cli import engine_kwargs_from
+    from ..engine import engine_kwargs_from
 
     summary = analyze(
         args.model,
@@ -365,7 +365,7 @@ def run_analyze_cli(args) -> int:
         profile=args.profile,
         conditions=args.conditions,
         exact=args.exact,
-        engine_kwargs=engine_kwargs_from(args),
+        engine_kwargs=engine_kwargs_from(args.enforce_eager, args.max_model_len, args.gpu_memory_utilization, args.custom_ops),
         floors=not args.no_floors,
         output_dir=args.output_dir,
     )

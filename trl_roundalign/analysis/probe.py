@@ -1144,14 +1144,14 @@ def run_probe_cli(args) -> dict:
     if args.rows < 1:
         raise ValueError(f"--rows must be at least 1, got {args.rows}.")
     model_path = resolve_model(args.model)
-    from ..cli import engine_kwargs_from
+    from ..engine import engine_kwargs_from
 
     report = probe(
         model_path,
         rows=args.rows,
         seed=args.seed,
         model_check=not args.no_model_check,
-        **engine_kwargs_from(args),
+        **engine_kwargs_from(args.enforce_eager, args.max_model_len, args.gpu_memory_utilization, args.custom_ops),
     )
     print(format_report(report), flush=True)
     return report.as_dict()

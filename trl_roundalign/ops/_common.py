@@ -50,11 +50,6 @@ def resolve(profile: str | Profile, backend: str | None, *tensors: torch.Tensor)
     return prof, backend
 
 
-def round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`r(x)`: round fp32 to `dtype` (round-to-nearest-even), returned as fp32."""
-    return x.to(dtype).float()
-
-
 def inductor_sum(x: torch.Tensor, lanes: int) -> torch.Tensor:
     """Sum the last dim in Inductor's C++ order; `x` is fp32, result keeps the dim (size 1).
 
