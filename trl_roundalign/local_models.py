@@ -337,11 +337,12 @@ def resolve_model(name: str | os.PathLike) -> str:
     """Map an offline model name to its checkpoint folder; pass other names and paths through.
 
     `smollm2-135m`, `tiny-qwen2`, `tiny-qwen3`, `tiny-llama` and `peaked-qwen3` are built offline
-    (cached); an existing folder is returned as is; anything else is treated as a hub id (which
-    needs a reachable hub) unless it looks like a local path.
+    (cached); an existing folder is returned as is; a hub id (`org/name`) passes through when it is in
+    the hub cache or the hub is online.
 
     Raises:
-        FileNotFoundError: a path-like name (`./x`, `/x`, `~/x`) that does not exist.
+        FileNotFoundError: a path-like name (`./x`, `/x`, `~/x`) that does not exist, or a name that is
+            neither (offline, or not of the `org/name` form), with the offline names listed.
     """
     s = str(name)
     if s == "smollm2-135m":
@@ -359,4 +360,21 @@ def resolve_model(name: str | os.PathLike) -> str:
         raise FileNotFoundError(
             f"Model path {s!r} does not exist (offline names: {', '.join(OFFLINE_MODEL_NAMES)})."
         )
+    offline = any(os.environ.get(k, "").strip() in ("1", "true", "True", "ON") for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    if not _in_hub_cache(s) and (offline or "/" not in s):
+        why = "the hub is offline and it is not in the hub cache" if offline else "hub ids look like 'org/name'"
+        raise FileNotFoundError(
+            f"Model {s!r} is neither a local checkpoint folder nor an offline name ({why}). "
+            f"Offline names: {', '.join(OFFLINE_MODEL_NAMES)}."
+        )
     return s
+
+
+def _in_hub_cache(repo_id: str) -> bool:
+    """Whether a hub model's config is in the local hub cache (no network access)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    except Exception:  # an invalid repo id, or no huggingface_hub
+        return False

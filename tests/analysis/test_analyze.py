@@ -109,6 +109,10 @@ def assert_one_line_error(proc, pattern):
 def test_cli_bad_input(tmp_path):
     tiny = str(tiny_model("qwen3"))
     assert_one_line_error(run_cli("analyze", str(tmp_path / "missing-model")), "does not exist")
+    for command in ("analyze", "probe"):  # a mistyped name: at once, with the offline names, no hub retries
+        proc = run_cli(command, "bogus-name", timeout=120)
+        assert_one_line_error(proc, "neither a local checkpoint folder nor an offline name.*tiny-qwen3")
+        assert proc.returncode == 2
     gpt2 = tmp_path / "gpt2"
     gpt2.mkdir()
     (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
