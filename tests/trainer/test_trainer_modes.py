@@ -233,7 +233,7 @@ def test_fp32_lm_head_on_both_sides(tmp_path, closing):
     trainer.close()
 
 
-@pytest.mark.parametrize("sync", ["trl", "lossless"])
+@pytest.mark.parametrize("sync", [pytest.param("trl", marks=pytest.mark.full), "lossless"])
 def test_lora_weight_sync_leaves_the_frozen_base_bit_identical(tmp_path, closing, sync):
     """6 LoRA GRPO steps at a large learning rate: TRL's in-place merge/unmerge drifts the frozen base weights,
     the lossless sync (the trainer's default) leaves every one bit-identical."""
@@ -283,6 +283,7 @@ def test_lora_weight_sync_leaves_the_frozen_base_bit_identical(tmp_path, closing
     trainer.close()
 
 
+@pytest.mark.full
 def test_lora_merged_forward_lowers_the_mismatch(tmp_path, closing):
     """LoRA GRPO against the engine: PEFT's forward vs the merged-weight forward, three regions.
 
