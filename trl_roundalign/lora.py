@@ -46,6 +46,17 @@ def check_lossless_supported(model) -> None:
             )
 
 
+def _active(layer) -> list[str]:
+    """The layer's active adapters that are LoRA adapters (what PEFT's merge and forward use)."""
+    return [a for a in layer.active_adapters if a in layer.lora_A]
+
+
+def _merged_weight(layer, adapters: list[str]) -> torch.Tensor:
+    """`r(W + ΔW)` of one LoRA layer, the bits PEFT's in-place merge writes, without writing them."""
+    with torch.no_grad():
+        return _merged(layer.get_base_layer().weight, [layer.get_delta_weight(a) for a in adapters])
+
+
 def _merged(data: torch.Tensor, deltas: list[torch.Tensor]) -> torch.Tensor:
     """`data` with each delta added as PEFT's in-place `+=` adds it: in fp32, rounded once per adapter."""
     for d in deltas:
@@ -62,7 +73,7 @@ def lossless_peft_params(vllm_generation):
         if layer.disable_adapters or layer.merged:
             continue
         base = layer.get_base_layer()
-        adapters = [a for a in layer.active_adapters if a in layer.lora_A]
+        adapters = _active(layer)
         if not adapters:
             continue
         weight_deltas[id(base.weight)] = (layer, adapters)
@@ -77,8 +88,7 @@ def lossless_peft_params(vllm_generation):
             data = param.data
             with torch.no_grad():
                 if id(param) in weight_deltas:
-                    layer, adapters = weight_deltas[id(param)]
-                    data = _merged(data, [layer.get_delta_weight(a) for a in adapters])
+                    data = _merged_weight(*weight_deltas[id(param)])
                 elif id(param) in bias_deltas:
                     layer, adapters = bias_deltas[id(param)]
                     deltas = [layer.lora_B[a].bias * layer.scaling[a] for a in adapters if layer.lora_bias.get(a, False)]
@@ -98,7 +108,7 @@ def install_lossless_peft_sync(vllm_generation) -> bool:
     if not is_peft_model(model) or vllm_generation._dist.is_fsdp:
         return False
     check_lossless_supported(model)
-    vllm_generation._iter_named_params = types.MethodType(lambda self: lossless_peft_params(self), vllm_generation)
+    vllm_generation._iter_named_params = types.MethodType(lossless_peft_params, vllm_generation)
     return True
 
 
@@ -114,8 +124,7 @@ class _MergedLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, layer, adapters, *lora_weights):
-        with torch.no_grad():
-            merged = _merged(weight, [layer.get_delta_weight(a) for a in adapters])
+        merged = _merged_weight(layer, adapters)
         ctx.save_for_backward(x, merged, *lora_weights)
         ctx.layer, ctx.adapters, ctx.has_bias = layer, adapters, bias is not None
         return torch.nn.functional.linear(x, merged, bias)
@@ -139,7 +148,7 @@ class _MergedLinear(torch.autograd.Function):
 def merged_lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """PEFT LoRA `Linear.forward` computed with the merged weight vLLM receives (bound to a layer instance)."""
     base = self.get_base_layer()
-    adapters = [a for a in self.active_adapters if a in self.lora_A]
+    adapters = _active(self)
     if self.disable_adapters or self.merged or not adapters or kwargs.get("adapter_names") is not None:
         return type(self).forward(self, x, *args, **kwargs)
     if self.training:
