@@ -287,8 +287,8 @@ def test_lora_weight_sync_leaves_the_frozen_base_bit_identical(tmp_path, closing
 def test_lora_merged_forward_lowers_the_mismatch(tmp_path, closing):
     """LoRA GRPO against the engine: PEFT's forward vs the merged-weight forward, three regions.
 
-    Exact mode with LoRA is not exact yet (mean k3 6.3e-7 over steps 2-4 here, although vLLM holds exactly the
-    merged weights the trainer multiplies by): an open finding, not asserted (README, LoRA).
+    Exact mode with LoRA is not exact yet (scripts/lora_exact_diagnostic.py: k3 9.7e-7 once the adapter is
+    non-zero, although vLLM holds exactly the merged weights the trainer multiplies by): an open finding (README, LoRA).
     """
     peft = pytest.importorskip("peft")
     runs = {
