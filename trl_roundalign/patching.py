@@ -124,7 +124,7 @@ def apply_roundalign(
     """Install the aligned regions into `model` in place.
 
     Args:
-        model: a loaded Llama/Mistral/Qwen2/Qwen3 CausalLM (or PeftModel around one, or the decoder
+        model: a loaded Llama/Mistral/Qwen2/Qwen3/Phi-3 CausalLM (or PeftModel around one, or the decoder
             model itself), in bf16 or fp16.
         regions: any subset of `"rope"`, `"swiglu"`, `"rmsnorm"`, `"attention"`; `()` installs nothing.
             For Qwen3 `"rope"` covers the q/k-norm + RoPE region. `"attention"` (exact mode) needs
@@ -214,7 +214,7 @@ def apply_roundalign(
                 "q_norm": lanes_by_norm.get(f"layers.{i}.self_attn.q_norm"),
                 "k_norm": lanes_by_norm.get(f"layers.{i}.self_attn.k_norm"),
             }
-            _bind(attn, aligned_attention_forward, state(lanes), installed)
+            _bind(attn, spec.attention_forward or aligned_attention_forward, state(lanes), installed)
             if "rope" in regions:
                 report.entries.append((f"{p}.self_attn", "rope"))
                 if spec.qk_norm:
@@ -222,7 +222,7 @@ def apply_roundalign(
             if "attention" in regions:
                 report.entries.append((f"{p}.self_attn", "attention"))
         if "swiglu" in regions:
-            _bind(layer.mlp, aligned_mlp_forward, state(), installed)
+            _bind(layer.mlp, spec.mlp_forward or aligned_mlp_forward, state(), installed)
             report.entries.append((f"{p}.mlp", "swiglu"))
         if "rmsnorm" in regions:
             lanes = {

@@ -41,11 +41,17 @@ MODELS = {
     "tiny-llama-odd": lambda: tiny_model(
         "llama", hidden_size=200, head_dim=32, num_attention_heads=5, num_key_value_heads=5, intermediate_size=312, num_hidden_layers=3
     ),
+    # Phi-3: fused qkv/gate_up projections, partial rotary (0.75, as Phi-4-mini: 24 of 32 head dims rotated).
+    "tiny-phi3": lambda: tiny_model("phi3"),
+    "tiny-phi3-odd": lambda: tiny_model(  # head dim 64 (48 rotary), MQA, 3 layers
+        "phi3", hidden_size=192, num_attention_heads=3, num_key_value_heads=1, intermediate_size=344, num_hidden_layers=3
+    ),
     "peaked-qwen3": peaked_qwen3,
     "smollm2-135m": smollm2_135m,
 }
 SLOW = {"smollm2-135m"}
-# The models `make test` covers per engine; the rest of the matrix is `make test-full`.
+# The models `make test` covers per engine; the rest of the matrix is `make test-full` (the Phi-3 models too: about 90 s
+# each per engine on the 2-core AVX2 machine; `make test` covers Phi-3 at the region level and in tests/models/test_patching.py).
 IN_MAKE_TEST = {
     "whole": {"tiny-qwen3", "tiny-llama-odd", "peaked-qwen3", "smollm2-135m"},
     "piecewise": {"tiny-qwen2-odd", "tiny-qwen3", "peaked-qwen3"},

@@ -11,7 +11,7 @@ from trl_roundalign.local_models import tiny_model
 from trl_roundalign.models import ARCH_SPECS, default_reduction_lanes, norm_order
 from trl_roundalign.profiles import ALL_REGIONS, PAPER_REGIONS
 
-ARCHS = ("qwen2", "qwen3", "llama")
+ARCHS = ("qwen2", "qwen3", "llama", "phi3")
 
 
 def load(arch: str, **overrides) -> torch.nn.Module:
@@ -231,8 +231,45 @@ def test_mistral_shares_the_structure():
     assert torch.equal(logits(model, ids), before)
 
 
+def test_phi3_fused_projections_partial_rotary_and_what_is_refused():
+    """Phi-3: profile `none` on every region is transformers' `Phi3ForCausalLM` bit for bit (the fused qkv/gate_up
+    forwards and the 0.75 partial rotary are exact replacements); the resid dropouts are the model's own; LongRoPE and
+    a missing fused projection raise naming what is supported."""
+    model = load("phi3")
+    assert model.config.rope_parameters["partial_rotary_factor"] == 0.75
+    assert model.model.rotary_emb.inv_freq.numel() * 2 == 24 < model.model.layers[0].self_attn.head_dim
+    ids, mask = batch()
+    before = logits(model, ids, mask)
+    apply_roundalign(model, PAPER_REGIONS, profile="none", positions_from_mask=False)
+    assert torch.equal(logits(model, ids, mask), before)
+    model.train()  # resid_pdrop 0: dropout is the identity even in training
+    assert torch.equal(logits(model, ids, mask), before)
+    model.eval()
+    revert_roundalign(model)
+    for layer in model.model.layers:  # the aligned layer calls the model's own dropout modules
+        layer.resid_attn_dropout.p = layer.resid_mlp_dropout.p = 0.5
+    apply_roundalign(model, PAPER_REGIONS)
+    evaluated = logits(model, ids)
+    model.train()
+    assert not torch.equal(logits(model, ids), evaluated), "resid dropout must act in training"
+    model.eval()
+    revert_roundalign(model)
+
+    longrope = load("phi3")
+    longrope.config.rope_parameters = {
+        "rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 0.75,
+        "short_factor": [1.0] * 12, "long_factor": [2.0] * 12, "original_max_position_embeddings": 256,
+    }
+    with pytest.raises(ValueError, match="rope_type='longrope'.*rope_type='default'"):
+        apply_roundalign(longrope)
+    broken = load("phi3")
+    del broken.model.layers[1].self_attn.qkv_proj
+    with pytest.raises(ValueError, match=r"model.layers.1.self_attn .*qkv_proj.*Phi-3"):
+        apply_roundalign(broken)
+
+
 @pytest.mark.vllm
-@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "phi3"])
 def test_exact_mode_gradients_agree_with_three_regions(arch):
     """Exact mode swaps sdpa for the engine's attention forward (fp32-recomputed backward) and the reduction order;
     its gradients must stay within 3% (relative Frobenius norm, per parameter tensor) of the three-region mode's."""

@@ -55,7 +55,7 @@ class Partitioned:
             p.data = self.full[id(p)]
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "phi3"])
 @pytest.mark.parametrize("regions", [PAPER_REGIONS, ()], ids=["three_region", "none"])
 def test_zero3_partitioned_parameters_are_read_only_inside_their_modules(arch, regions):
     model = AutoModelForCausalLM.from_pretrained(tiny_model(arch), dtype=torch.bfloat16).eval()

@@ -216,3 +216,78 @@ def test_none_profile_is_hugging_face_bit_for_bit():
     q = gen(19, 1, 3, ROWS, 64)
     hf_q, _ = apply_rotary_pos_emb(q, q, cos, sin)
     assert torch.equal(ops.rope(q, cos[:, None], sin[:, None], profile="none"), hf_q)
+
+
+@pytest.mark.parametrize(("head_dim", "factor"), [(32, 0.75), (128, 0.75)])  # tiny-phi3; Phi-4-mini's 96 of 128
+def test_partial_rotary_rope_phi3(head_dim, factor):
+    """Phi-3's partial rotary: Hugging Face's `Phi3RotaryEmbedding` cos/sin (`rotary_dim = head_dim * factor` wide)
+    equal vLLM's table, and the aligned RoPE on whole heads equals vLLM's compiled native RoPE, which rotates the
+    first `rotary_dim` dims and passes the rest through; profile `none` is transformers' `apply_rotary_pos_emb`."""
+    from transformers import Phi3Config
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding, apply_rotary_pos_emb
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    heads, pos, theta = 3, torch.arange(ROWS), 1e4
+    rope_parameters = {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": factor}
+    with set_current_vllm_config(VllmConfig()):
+        module = get_rope(head_dim, max_position=4096, rope_parameters=rope_parameters, is_neox_style=True, dtype=torch.bfloat16)
+    rotary_dim = int(head_dim * factor)
+    assert type(module) is RotaryEmbedding and module.rotary_dim == rotary_dim < head_dim
+    cfg = Phi3Config(hidden_size=heads * head_dim, num_attention_heads=heads, num_key_value_heads=heads,
+                     max_position_embeddings=4096, rope_parameters=dict(rope_parameters))
+    cos, sin = Phi3RotaryEmbedding(cfg)(torch.zeros(1, ROWS, heads * head_dim, dtype=torch.bfloat16), pos[None])
+    assert cos.shape[-1] == rotary_dim
+    table_cos, table_sin = module.cos_sin_cache[:ROWS].chunk(2, dim=-1)
+    assert torch.equal(cos[0, :, : rotary_dim // 2], table_cos) and torch.equal(sin[0, :, : rotary_dim // 2], table_sin)
+
+    q, k = gen(20, ROWS, heads * head_dim), gen(21, ROWS, heads * head_dim)
+
+    def native(p, q, k, cache):
+        return RotaryEmbedding.forward_static(p, q, k, head_dim, rotary_dim, cache, True)
+
+    eq, ek = compiled(native)(pos, q, k, module.cos_sin_cache)
+    for x, engine in ((q, eq), (k, ek)):
+        xh = x.view(ROWS, heads, head_dim)
+        mine = ops.rope(xh, cos[0][:, None], sin[0][:, None])
+        assert_bitwise_equal(mine.view(ROWS, -1), engine, label=f"phi3 rope hd={head_dim} rd={rotary_dim}")
+        assert torch.equal(mine[..., rotary_dim:], xh[..., rotary_dim:]), "pass-through dims are copied"
+        hf_q, _ = apply_rotary_pos_emb(xh.transpose(0, 1)[None], xh.transpose(0, 1)[None], cos, sin)
+        none = ops.rope(xh, cos[0][:, None], sin[0][:, None], profile="none")
+        assert torch.equal(none, hf_q[0].transpose(0, 1))
+        assert not torch.equal(none.view(ROWS, -1), engine)
+
+
+def test_longrope_tables_equal_vllms_in_both_regimes():
+    """LongRoPE (refused by the Phi-3 spec): transformers' bf16 cos/sin equal vLLM's `Phi3LongRoPEScaledRotaryEmbedding`
+    tables, short factors (sequence within the original length) and long ones (beyond it), mscale included. What keeps
+    it unsupported is which factors each side picks (per forward vs per engine), not rounding (docs/numerics.md)."""
+    import math
+    import types
+
+    from transformers import Phi3Config
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+    from vllm.model_executor.layers.rotary_embedding.phi3_long_rope_scaled_rope import Phi3LongRoPEScaledRotaryEmbedding
+
+    head_dim, rotary_dim, orig, max_pos, heads = 128, 96, 256, 4096, 4
+    g = torch.Generator().manual_seed(22)
+    short = (1 + torch.rand(rotary_dim // 2, generator=g)).tolist()
+    long = (1 + 20 * torch.rand(rotary_dim // 2, generator=g)).tolist()
+    cfg = Phi3Config(
+        hidden_size=heads * head_dim, num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=max_pos,
+        original_max_position_embeddings=orig,  # Phi-3 configs carry it at the top level too, and it takes priority
+        rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 0.75, "short_factor": short,
+                         "long_factor": long, "original_max_position_embeddings": orig},
+    )
+    hf = Phi3RotaryEmbedding(cfg)
+    # vLLM's table builder without an engine config (its constructor reads max_model_len from the current engine).
+    fake = types.SimpleNamespace(base=1e4, rotary_dim=rotary_dim)
+    fake._compute_inv_freq = types.MethodType(Phi3LongRoPEScaledRotaryEmbedding._compute_inv_freq, fake)
+    mscale = math.sqrt(1 + math.log(max_pos / orig) / math.log(orig))
+    assert hf.attention_scaling == mscale
+    for factors, length in ((short, orig - 6), (long, orig + 44)):
+        table = Phi3LongRoPEScaledRotaryEmbedding._compute_cos_sin_cache(fake, length, factors, mscale).to(torch.bfloat16)
+        cos, sin = hf(torch.zeros(1, length, 8, dtype=torch.bfloat16), torch.arange(length)[None])
+        table_cos, table_sin = table.chunk(2, dim=-1)
+        assert torch.equal(cos[0, :, : rotary_dim // 2], table_cos) and torch.equal(sin[0, :, : rotary_dim // 2], table_sin)

@@ -2,11 +2,13 @@
 
 Llama, Mistral, Qwen2 and Qwen3 share one decoder structure (pre-norm, RoPE neox, SwiGLU MLP,
 RMSNorm); a spec names what differs (Qwen3's per-head q/k-norm) and what a module must have for
-the aligned forwards in `decoder.py` to be exact replacements.
+the aligned forwards in `decoder.py` to be exact replacements. Phi-3 (`phi3.py`) has the same math
+with fused projections and partial rotary: its spec names its own attention and MLP forwards.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +23,16 @@ class ArchSpec:
     model_type: str
     qk_norm: bool
     examples: str = ""
+    # What differs in a family whose layers have the same math with other module names (Phi-3's fused
+    # `qkv_proj` / `gate_up_proj`): the attributes the aligned forwards read, its own attention and MLP
+    # forwards (None: `decoder.aligned_attention_forward` / `aligned_mlp_forward`), and a check of the
+    # config for what the forwards do not cover (called with the backbone's config; raises ValueError).
+    attn_attrs: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling", "layer_idx")
+    mlp_attrs: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj", "act_fn")
+    act_attr: str = "act_fn"
+    attention_forward: Callable | None = None
+    mlp_forward: Callable | None = None
+    check_config: Callable | None = None
 
 
 ARCH_SPECS: dict[str, ArchSpec] = {}
@@ -35,6 +47,10 @@ register_arch(ArchSpec("llama", qk_norm=False, examples="Llama 2/3, SmolLM2"))
 register_arch(ArchSpec("mistral", qk_norm=False, examples="Mistral 7B"))
 register_arch(ArchSpec("qwen2", qk_norm=False, examples="Qwen2/2.5, DeepSeek-R1-Distill-Qwen-1.5B/7B"))
 register_arch(ArchSpec("qwen3", qk_norm=True, examples="Qwen3-0.6B ... Qwen3-8B(-Base)"))
+
+
+# Families with their own module (imported here so that their specs are registered).
+from . import phi3 as _phi3  # noqa: E402,F401
 
 
 def get_spec(model_type: str) -> ArchSpec:
@@ -61,8 +77,6 @@ def find_backbone(model: torch.nn.Module) -> torch.nn.Module:
     )
 
 
-_ATTN_ATTRS = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling", "layer_idx")
-_MLP_ATTRS = ("gate_proj", "up_proj", "down_proj", "act_fn")
 _NORM_ATTRS = ("weight", "variance_epsilon")
 
 
@@ -74,25 +88,27 @@ def check_structure(backbone: torch.nn.Module, spec: ArchSpec) -> None:
         if missing:
             raise ValueError(
                 f"{path} ({type(obj).__name__}) lacks {missing}: this {spec.model_type} model does not have the "
-                "structure trl_roundalign patches (transformers 5.17 Llama/Mistral/Qwen2/Qwen3 modules)."
+                "structure trl_roundalign patches (transformers 5.17 Llama/Mistral/Qwen2/Qwen3/Phi-3 modules)."
             )
 
+    if spec.check_config is not None:
+        spec.check_config(getattr(backbone, "config", None))
     need(backbone, ("embed_tokens", "layers", "norm", "rotary_emb"), "model")
     need(backbone.norm, _NORM_ATTRS, "model.norm")
     for i, layer in enumerate(backbone.layers):
         p = f"model.layers.{i}"
         need(layer, ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"), p)
-        need(layer.self_attn, _ATTN_ATTRS, f"{p}.self_attn")
+        need(layer.self_attn, spec.attn_attrs, f"{p}.self_attn")
         if spec.qk_norm:
             need(layer.self_attn, ("q_norm", "k_norm"), f"{p}.self_attn")
             need(layer.self_attn.q_norm, _NORM_ATTRS, f"{p}.self_attn.q_norm")
             need(layer.self_attn.k_norm, _NORM_ATTRS, f"{p}.self_attn.k_norm")
-        need(layer.mlp, _MLP_ATTRS, f"{p}.mlp")
+        need(layer.mlp, spec.mlp_attrs, f"{p}.mlp")
         need(layer.input_layernorm, _NORM_ATTRS, f"{p}.input_layernorm")
         need(layer.post_attention_layernorm, _NORM_ATTRS, f"{p}.post_attention_layernorm")
-        act = layer.mlp.act_fn
+        act = getattr(layer.mlp, spec.act_attr)
         if not isinstance(act, torch.nn.SiLU) and type(act).__name__ not in ("SiLUActivation", "SiLU"):
-            raise ValueError(f"{p}.mlp.act_fn is {type(act).__name__}; the SwiGLU region needs silu.")
+            raise ValueError(f"{p}.mlp.{spec.act_attr} is {type(act).__name__}; the SwiGLU region needs silu.")
 
 
 def norm_order(num_layers: int, qk_norm: bool) -> list[str]:

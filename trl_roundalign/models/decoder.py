@@ -1,4 +1,4 @@
-"""Aligned forwards for Llama-style decoders (Llama, Mistral, Qwen2, Qwen3).
+"""Aligned forwards for Llama-style decoders (Llama, Mistral, Qwen2, Qwen3; Phi-3 through `phi3.py`).
 
 These functions are bound to module *instances* by `trl_roundalign.patching`; they mirror
 transformers 5.17's forwards op for op, except where a region is switched on:
@@ -76,19 +76,40 @@ def aligned_attention_forward(
     **kwargs,
 ):
     """Llama/Qwen2/Qwen3/Mistral attention with aligned RoPE (and q/k-norm) and optional engine attention."""
+    hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+    q = self.q_proj(hidden_states).view(hidden_shape)
+    k = self.k_proj(hidden_states).view(hidden_shape)
+    v = self.v_proj(hidden_states).view(hidden_shape)
+    return attend(
+        self, q, k, v, position_embeddings, attention_mask, past_key_values,
+        sliding_window=getattr(self, "sliding_window", None), **kwargs,
+    )
+
+
+def attend(
+    self,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    attention_mask: torch.Tensor | None,
+    past_key_values,
+    *,
+    sliding_window: int | None = None,
+    **kwargs,
+):
+    """The attention forward after the q/k/v projections (`[B, T, heads, head_dim]` each): RoPE (aligned or the
+    model's, partial rotary when cos/sin are narrower than the head), the KV cache, attention (the engine's
+    kernel under region `"attention"`), `o_proj`. Shared by every family's attention forward."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     st = _state(self)
     prof, backend = st.profile, st.backend
-    input_shape = hidden_states.shape[:-1]
-    hidden_shape = (*input_shape, -1, self.head_dim)
+    input_shape = q.shape[:-2]
     cos, sin = position_embeddings
     # [B, T, D] -> [B, T, 1, D]: broadcast over heads in the [B, T, H, D] layout.
     cos4, sin4 = cos.unsqueeze(2), sin.unsqueeze(2)
-
-    q = self.q_proj(hidden_states).view(hidden_shape)
-    k = self.k_proj(hidden_states).view(hidden_shape)
-    v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    v = v.transpose(1, 2)
     has_qk_norm = hasattr(self, "q_norm")
     if "rope" in st.regions:
         if has_qk_norm:
@@ -116,8 +137,8 @@ def aligned_attention_forward(
         k, v = past_key_values.update(k, v, self.layer_idx)
 
     extra = {}
-    if getattr(self, "sliding_window", None) is not None:
-        extra["sliding_window"] = self.sliding_window
+    if sliding_window is not None:
+        extra["sliding_window"] = sliding_window
     # The engine's kernel scores whole sequences; with earlier tokens in a KV cache (decoding) the
     # model's own attention takes over.
     full_forward = k.shape[-2] == q.shape[-2]
@@ -210,14 +231,22 @@ def aligned_decoder_layer_forward(
         position_embeddings=position_embeddings,
         **kwargs,
     )
+    attn_out = _sublayer_dropout(self, "resid_attn_dropout", attn_out)
     normed, residual = _as_forward_of(norm_post, lambda a, r: ops.add_rms_norm(
         a, r, norm_post.weight, norm_post.variance_epsilon,
         profile=prof, backend=backend, reduction_lanes=st.lanes.get("post_attention_layernorm"),
     ), attn_out, residual)
-    mlp_out = self.mlp(normed)
+    mlp_out = _sublayer_dropout(self, "resid_mlp_dropout", self.mlp(normed))
     # The add after the MLP belongs to the next norm (vLLM fuses it there): hand on the fp32 sum;
     # under residual="round" the next layer rounds it for the stream (see `_stream`).
     return residual.float() + mlp_out.float()
+
+
+def _sublayer_dropout(layer: torch.nn.Module, name: str, x: torch.Tensor) -> torch.Tensor:
+    """Phi-3 drops out each sublayer's output before its residual add (`resid_pdrop`; 0 in released configs,
+    and an identity in eval): the model's own dropout module, where the layer has one."""
+    drop = getattr(layer, name, None)
+    return x if drop is None else drop(x)
 
 
 def _stream(hidden_states: torch.Tensor, prof: Profile, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
