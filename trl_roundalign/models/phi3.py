@@ -34,8 +34,8 @@ from __future__ import annotations
 import torch
 
 from .. import ops
-from . import ArchSpec, register_arch
 from .decoder import _state, attend
+from .spec import ArchSpec, register_arch
 
 __all__ = ["PHI3", "check_phi3_config", "phi3_attention_forward", "phi3_mlp_forward"]
 

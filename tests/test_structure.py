@@ -1,0 +1,61 @@
+"""The package's shape: no module-level import circles, no module past the size a reader can hold."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parents[1] / "trl_roundalign"
+MAX_LINES = 700
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for path in PKG.rglob("*.py"):
+        parts = list(path.relative_to(PKG.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        mods[".".join(parts)] = path
+    return mods
+
+
+def _imports(name: str, path: Path, mods: dict[str, Path]) -> set[str]:
+    """Modules of the package imported at module level (imports inside functions are deferred on purpose)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    deps = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            deps |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            for a in node.names:  # `from pkg import submodule` depends on the submodule
+                deps.add(f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base)
+    return {d for d in deps if d in mods and d != name}
+
+
+def test_no_import_circles():
+    mods = _modules()
+    graph = {m: _imports(m, p, mods) for m, p in mods.items()}
+    cycles, state = [], {}
+
+    def visit(m: str, stack: list[str]) -> None:
+        state[m] = "open"
+        for d in sorted(graph[m]):
+            if state.get(d) == "open":
+                cycles.append(stack[stack.index(d) :] + [d])
+            elif d not in state:
+                visit(d, stack + [d])
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert not cycles, "module-level import circles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_no_module_is_too_long():
+    long = {str(p.relative_to(PKG.parent)): n for p in PKG.rglob("*.py") if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines: {long}"

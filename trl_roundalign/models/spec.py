@@ -1,0 +1,42 @@
+"""The architecture registry: `ArchSpec` and `register_arch` (a module of its own, so that family modules
+such as `phi3.py` register themselves without importing the package that imports them)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+__all__ = ["ARCH_SPECS", "ArchSpec", "register_arch"]
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """What the patcher expects of one architecture."""
+
+    model_type: str
+    qk_norm: bool
+    examples: str = ""
+    # What differs in a family whose layers have the same math with other module names (Phi-3's fused
+    # `qkv_proj` / `gate_up_proj`): the attributes the aligned forwards read, its own attention and MLP
+    # forwards (None: `decoder.aligned_attention_forward` / `aligned_mlp_forward`), and a check of the
+    # config for what the forwards do not cover (called with the backbone's config; raises ValueError).
+    attn_attrs: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling", "layer_idx")
+    mlp_attrs: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj", "act_fn")
+    act_attr: str = "act_fn"
+    attention_forward: Callable | None = None
+    mlp_forward: Callable | None = None
+    check_config: Callable | None = None
+
+
+ARCH_SPECS: dict[str, ArchSpec] = {}
+
+
+def register_arch(spec: ArchSpec) -> ArchSpec:
+    ARCH_SPECS[spec.model_type] = spec
+    return spec
+
+
+register_arch(ArchSpec("llama", qk_norm=False, examples="Llama 2/3, SmolLM2"))
+register_arch(ArchSpec("mistral", qk_norm=False, examples="Mistral 7B"))
+register_arch(ArchSpec("qwen2", qk_norm=False, examples="Qwen2/2.5, DeepSeek-R1-Distill-Qwen-1.5B/7B"))
+register_arch(ArchSpec("qwen3", qk_norm=True, examples="Qwen3-0.6B ... Qwen3-8B(-Base)"))
