@@ -1,7 +1,8 @@
 """`trl-roundalign analyze | probe | env`.
 
 Bad input ends with one line on stderr (`trl-roundalign: error: ...`) and exit code 2, never a
-traceback; `--debug` shows the traceback.
+traceback; `--debug` shows the traceback. vLLM's own logging (its start-up INFO lines and warnings such as
+"Triton is not installed" or "libtcmalloc is not found") is shown with `--verbose` only.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import json
 import logging
 import os
 import sys
+import warnings
 
 __all__ = ["main"]
 
@@ -20,6 +22,11 @@ class UsageError(Exception):
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="Show vLLM's logging (engine start-up, platform warnings); default: its errors only.",
+    )
     g = p.add_argument_group("vLLM engine")
     g.add_argument("--enforce-eager", action="store_true", help="vLLM's eager engine (custom ops, no compile).")
     g.add_argument(
@@ -113,7 +120,8 @@ def cmd_env(args) -> int:
         from .engine import build_llm, close_llm, engine_info, engine_kwargs_from, profile_for_engine
         from .local_models import tiny_model
 
-        llm = build_llm(tiny_model("qwen3"), **engine_kwargs_from(args.enforce_eager, args.max_model_len, args.gpu_memory_utilization, args.custom_ops))
+        kw = engine_kwargs_from(args.enforce_eager, args.max_model_len, args.gpu_memory_utilization, args.custom_ops)
+        llm = build_llm(tiny_model("qwen3"), use_tqdm_on_load=args.verbose, **kw)
         info = engine_info(llm)
         close_llm(llm)
         rows["engine mode"] = f"{info.compile_mode} (enforce_eager={info.enforce_eager}, custom_ops={info.custom_ops})"
@@ -145,10 +153,36 @@ def one_line(exc: BaseException) -> str:
     return msg[:500]
 
 
+def configure_logging(*, verbose: bool = False, debug: bool = False) -> None:
+    """Logging for a command; call it before torch and vLLM are imported.
+
+    vLLM configures its `vllm` logger when it is imported, at the level `VLLM_LOGGING_LEVEL` names (0.31:
+    `vllm/envs.py`, `vllm/logger.py`; default INFO, to stdout). `verbose` sets it to INFO (`debug`: DEBUG).
+    Otherwise it defaults to ERROR (a `VLLM_LOGGING_LEVEL` already in the environment wins), the `vllm`
+    logger is held at that level for messages sent before vLLM configures it, and the rest of the engine's
+    start-up chatter is quieted too: Python warnings raised from vLLM's modules, torch's C++ warnings
+    (`TORCH_CPP_LOG_LEVEL=ERROR`, read when torch loads) and the hub's weight-loading progress bars
+    (`HF_HUB_DISABLE_PROGRESS_BARS=1`). trl_roundalign's own warnings are always shown.
+    """
+    logging.basicConfig(
+        level=logging.DEBUG if debug else logging.INFO if verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    if debug or verbose:
+        os.environ["VLLM_LOGGING_LEVEL"] = "DEBUG" if debug else "INFO"
+    else:
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        warnings.filterwarnings("ignore", module=r"vllm(\.|$)")
+    name = os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR").strip().upper()
+    level = logging.getLevelName(name)
+    logging.getLogger("vllm").setLevel(level if isinstance(level, int) else logging.ERROR)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    configure_logging(verbose=getattr(args, "verbose", False), debug=args.debug)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     try:
         if args.command == "env":

@@ -21,13 +21,11 @@ from trl_roundalign.analysis.probe import (
     ModelLevelResult,
     ProfileMatch,
     RegionResult,
-    _assign_best,
-    _compare,
-    _model_best,
-    _verdict,
     format_report,
     ulp_distance,
 )
+from trl_roundalign.analysis.probe.matching import compare_outputs
+from trl_roundalign.analysis.probe.verdict import assign_best, model_best, region_verdict
 from trl_roundalign.engine import close_llm
 from trl_roundalign.local_models import tiny_model
 
@@ -59,15 +57,15 @@ def test_compare_tolerance_applies_only_to_norms_in_torch_order():
     x = torch.zeros(20000, dtype=torch.bfloat16)
     y = x.clone()
     y[0] = torch.nextafter(torch.tensor(0.0, dtype=torch.bfloat16), torch.tensor(1.0, dtype=torch.bfloat16))
-    m = _compare("p", "p", None, {"out": x}, {"out": y}, norm_region=True)
+    m = compare_outputs("p", "p", None, {"out": x}, {"out": y}, norm_region=True)
     assert (m.mismatches, m.one_ulp, m.max_ulp, m.exact, m.matches) == (1, 1, 1, False, True)
-    assert not _compare("p", "p", None, {"out": x}, {"out": y}, norm_region=False).matches
-    assert not _compare("p@32", "p", 32, {"out": x}, {"out": y}, norm_region=True).matches  # exact order: exact only
+    assert not compare_outputs("p", "p", None, {"out": x}, {"out": y}, norm_region=False).matches
+    assert not compare_outputs("p@32", "p", 32, {"out": x}, {"out": y}, norm_region=True).matches  # exact order: exact only
     y[1:4] = 1.0  # far off
-    far = _compare("p", "p", None, {"out": x}, {"out": y}, norm_region=True)
+    far = compare_outputs("p", "p", None, {"out": x}, {"out": y}, norm_region=True)
     assert not far.matches and far.max_ulp > 1
     # an fp32 reference (the residual stream) is compared after rounding to the engine's dtype
-    m = _compare("p", "p", None, {"res": bf16([1.5])}, {"res": torch.tensor([1.5])}, norm_region=True)
+    m = compare_outputs("p", "p", None, {"res": bf16([1.5])}, {"res": torch.tensor([1.5])}, norm_region=True)
     assert m.exact and m.per_output == {"res": 1.0}
 
 
@@ -89,11 +87,11 @@ def test_verdict_is_the_profile_matching_most_regions():
         _region("rms_norm", {"none": 1, "vllm-eager-cpu": 1}),
         _region("add_rms_norm", {"none": 0.9, "vllm-eager-cpu": 0.9}),
     ]
-    assert _verdict(regions) == ("vllm-eager-cpu", False)
-    _assign_best(regions, "vllm-eager-cpu")
+    assert region_verdict(regions) == ("vllm-eager-cpu", False)
+    assign_best(regions, "vllm-eager-cpu")
     assert [r.best for r in regions] == ["vllm-eager-cpu"] * 4  # ties resolved towards the verdict
-    assert _verdict(regions[:3]) == ("vllm-eager-cpu", True)
-    assert _verdict([RegionResult("rope", skipped="no rope")]) == (None, False)
+    assert region_verdict(regions[:3]) == ("vllm-eager-cpu", True)
+    assert region_verdict([RegionResult("rope", skipped="no rope")]) == (None, False)
 
 
 def test_model_best_needs_a_bit_identical_candidate_to_be_conclusive():
@@ -106,15 +104,15 @@ def test_model_best_needs_a_bit_identical_candidate_to_be_conclusive():
         cand("vllm-eager+attention", "vllm-eager", "engine", 0.1, 2e-6),
         cand("vllm-compiled-exact", "vllm-compiled-exact", "engine", 1.0, 0.0),
     ]
-    assert _model_best(results) == ("vllm-compiled", "vllm-compiled-exact", True)
-    assert _model_best(results[:3]) == ("vllm-compiled", None, False)
-    assert _model_best(results[:1]) == ("vllm-eager", None, False)
+    assert model_best(results) == ("vllm-compiled", "vllm-compiled-exact", True)
+    assert model_best(results[:3]) == ("vllm-compiled", None, False)
+    assert model_best(results[:1]) == ("vllm-eager", None, False)
     tie = [
         cand("vllm-eager", "vllm-eager", "engine", 0.0, 1e-6),
         cand("vllm-eager-cpu", "vllm-eager-cpu", "engine", 0.0, 1e-6),
     ]
-    assert _model_best(tie)[0] == "vllm-eager"
-    assert _model_best(tie, prefer="vllm-eager-cpu")[0] == "vllm-eager-cpu"
+    assert model_best(tie)[0] == "vllm-eager"
+    assert model_best(tie, prefer="vllm-eager-cpu")[0] == "vllm-eager-cpu"
 
 
 # ----------------------------------------------------------------------------- real engines
@@ -269,8 +267,73 @@ def test_cli_probe_prints_the_table(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     for needle in ("region", "rms_norm", "add_rms_norm", "swiglu", "rope", "qk_norm_rope", "profile: vllm-compiled"):
         assert needle in proc.stdout, proc.stdout
+    # the header names the model as given, and vLLM's logging stays quiet without --verbose
+    assert proc.stdout.startswith("trl-roundalign probe: tiny-qwen3\n"), proc.stdout[:500]
+    for noise in ("(MainProcess", "INFO ", "WARNING vllm", "Triton is", "libtcmalloc"):
+        assert noise not in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[:3000]
     report = json.loads(out.read_text())
     assert report["profile"] == "vllm-compiled" and report["model_level"] == []
+    assert report["model"] == "tiny-qwen3" and os.path.isdir(report["model_path"])
+
+
+@pytest.fixture(scope="module")
+def gpt2_checkpoint(tmp_path_factory):
+    """A tiny GPT-2 checkpoint (random weights): an architecture trl_roundalign does not patch."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    path = tmp_path_factory.mktemp("gpt2")
+    config = GPT2Config(n_layer=1, n_head=2, n_embd=32, n_positions=64, vocab_size=128, bos_token_id=127, eos_token_id=127)
+    torch.manual_seed(0)
+    GPT2LMHeadModel(config).save_pretrained(path)
+    return path
+
+
+def test_probe_refuses_an_unsupported_architecture_before_building_an_engine(gpt2_checkpoint, monkeypatch):
+    import trl_roundalign.engine as engine
+    from trl_roundalign.analysis.probe import probe
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("the engine must not be built for an unsupported architecture")
+
+    monkeypatch.setattr(engine, "build_llm", no_engine)
+    with pytest.raises(ValueError, match=r"Unsupported model_type 'gpt2'; supported: .*qwen3"):
+        probe(gpt2_checkpoint)
+
+
+def test_cli_probe_unsupported_architecture_is_one_line_exit_2(gpt2_checkpoint):
+    proc = _cli(str(gpt2_checkpoint), timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("trl-roundalign: error:"), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "intermediate_size" not in proc.stderr
+    for arch in ("gpt2", "llama", "mistral", "qwen2", "qwen3"):
+        assert arch in lines[0], lines[0]
+    assert proc.stdout == "", proc.stdout[-2000:]
+
+
+def test_cli_logging_quiets_vllm_unless_verbose(monkeypatch):
+    """vLLM reads VLLM_LOGGING_LEVEL when it is imported: the CLI sets it first (ERROR, or INFO with --verbose)."""
+    import logging
+
+    from trl_roundalign.cli import build_parser, configure_logging
+
+    for command in ("probe", "analyze", "env"):
+        assert build_parser().parse_args([command, "--verbose"] + (["m"] if command == "analyze" else [])).verbose
+    vllm_logger = logging.getLogger("vllm")
+    saved = vllm_logger.level
+    try:
+        for var in ("VLLM_LOGGING_LEVEL", "TORCH_CPP_LOG_LEVEL", "HF_HUB_DISABLE_PROGRESS_BARS"):
+            monkeypatch.delenv(var, raising=False)
+        configure_logging()
+        assert os.environ["VLLM_LOGGING_LEVEL"] == "ERROR" and vllm_logger.level == logging.ERROR
+        assert os.environ["TORCH_CPP_LOG_LEVEL"] == "ERROR" and os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1"
+        monkeypatch.setenv("VLLM_LOGGING_LEVEL", "warning")  # the user's own setting wins without --verbose
+        configure_logging()
+        assert vllm_logger.level == logging.WARNING
+        configure_logging(verbose=True)
+        assert os.environ["VLLM_LOGGING_LEVEL"] == "INFO" and vllm_logger.level == logging.INFO
+    finally:
+        vllm_logger.setLevel(saved)
 
 
 def test_cli_probe_missing_model_is_one_line_exit_2():

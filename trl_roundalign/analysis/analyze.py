@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from .checkpoint import check_architecture
 from .compare import Comparison, build_conditions, compare_with_engine, completion_matrix, region_contributions
 
 logger = logging.getLogger(__name__)
@@ -149,7 +150,7 @@ def analyze(
     if max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be at least 1, got {max_new_tokens}.")
     model_path = resolve_model(model)
-    _check_architecture(model_path)
+    check_architecture(model_path)
     rows = read_prompts(prompts, column=prompt_column, split=split, n=num_prompts, seed=seed)
     own_engine = llm is None
     if own_engine:
@@ -202,18 +203,6 @@ def analyze(
     if output_dir is not None:
         write_report(summary, comp, output_dir)
     return summary
-
-
-def _check_architecture(model_path: str) -> None:
-    from transformers import AutoConfig
-
-    from ..models import get_spec
-
-    try:
-        cfg = AutoConfig.from_pretrained(model_path)
-    except OSError as exc:
-        raise FileNotFoundError(f"Cannot load a model config from {model_path!r}: {str(exc).splitlines()[0]}") from None
-    get_spec(cfg.model_type)
 
 
 def _fmt(v) -> str:
@@ -352,6 +341,8 @@ def _plots(summary: dict, comp: Comparison, out: Path) -> None:
 def run_analyze_cli(args) -> int:
     from ..engine import engine_kwargs_from
 
+    kw = engine_kwargs_from(args.enforce_eager, args.max_model_len, args.gpu_memory_utilization, args.custom_ops)
+    kw["use_tqdm_on_load"] = bool(getattr(args, "verbose", False))  # the weight-loading bar: --verbose only
     summary = analyze(
         args.model,
         prompts=args.prompts,
@@ -365,7 +356,7 @@ def run_analyze_cli(args) -> int:
         profile=args.profile,
         conditions=args.conditions,
         exact=args.exact,
-        engine_kwargs=engine_kwargs_from(args.enforce_eager, args.max_model_len, args.gpu_memory_utilization, args.custom_ops),
+        engine_kwargs=kw,
         floors=not args.no_floors,
         output_dir=args.output_dir,
     )

