@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["MasterWeightsOptimizer", "distributed_master_weights", "noop_comm_hook"]
+__all__ = ["MasterWeightsOptimizer", "aligned_fsdp2_policy", "distributed_master_weights", "noop_comm_hook"]
 
 # Elements per all-reduce of the flattened fp32 gradients (64 MiB).
 _REDUCE_CHUNK = 1 << 24
@@ -62,6 +62,34 @@ def distributed_master_weights(
             return "FSDP", True, "with mixed precision accelerate upcasts the parameters to fp32 before FSDP shards them"
         return "FSDP", False, "FSDP without mixed precision shards the bf16 parameters as they are (no fp32 copy)"
     return None, False, ""
+
+
+def aligned_fsdp2_policy(policy=None, *, param_dtype: torch.dtype | None = None):
+    """The FSDP2 `MixedPrecisionPolicy` an aligned model needs, from the one accelerate (or the user) set.
+
+    FSDP2 casts every floating-point *input* of each sharded module to `param_dtype`
+    (`cast_forward_inputs=True`, the default) and, with `output_dtype`, its outputs. Sharded per decoder layer,
+    as accelerate wraps transformer layers, that rounds the fp32 residual stream the aligned layers hand on
+    (`docs/numerics.md`) to bf16 at every layer boundary: the forward then differs from the engine's while
+    looking aligned (`tests/trainer/test_fsdp2.py`). accelerate 1.x builds its FSDP2 policy with
+    `output_dtype=param_dtype` and the default `cast_forward_inputs` (its source marks this as a TODO).
+
+    Returned: the same `param_dtype` (the compute dtype, which must be the engine's bf16/fp16), gradients
+    reduced in fp32 (as `MasterWeightsOptimizer` accumulates them), nothing cast at module boundaries.
+
+    Raises:
+        ValueError: no `param_dtype`: FSDP2 would compute in the fp32 master dtype, not the engine's.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    dtype = param_dtype if param_dtype is not None else getattr(policy, "param_dtype", None)
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(
+            f"FSDP2 with param_dtype={dtype}: the aligned model must compute in the engine's bf16/fp16 while FSDP keeps "
+            "fp32 masters. Train with mixed precision (accelerate --mixed_precision bf16, or an fsdp_config "
+            "mixed_precision_policy with param_dtype bf16)."
+        )
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, output_dtype=None, cast_forward_inputs=False)
 
 
 def noop_comm_hook(state, bucket):

@@ -42,7 +42,7 @@ from .engine import (
     scoped_cache_root,
     wants_piecewise,
 )
-from .optim import MasterWeightsOptimizer, distributed_master_weights, noop_comm_hook
+from .optim import MasterWeightsOptimizer, aligned_fsdp2_policy, distributed_master_weights, noop_comm_hook
 from .patching import apply_roundalign, get_patch_report
 from .profiles import is_exact
 
@@ -406,6 +406,27 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
         if report is not None:
             info["patched"] = report.as_dict()
         return info
+
+    # ------------------------------------------------------------------ FSDP2
+
+    def create_accelerator_and_postprocess(self):
+        super().create_accelerator_and_postprocess()
+        self._align_fsdp2_policy()
+
+    def _align_fsdp2_policy(self) -> None:
+        """Under FSDP2, replace accelerate's mixed-precision policy by `optim.aligned_fsdp2_policy` (logged).
+
+        accelerate's policy casts every sharded decoder layer's inputs (and outputs) to bf16, which rounds the
+        aligned layers' fp32 residual stream at each layer boundary; the replacement keeps the compute dtype,
+        reduces gradients in fp32 and casts nothing at module boundaries. Runs before the model is prepared.
+        """
+        state = getattr(getattr(self, "accelerator", None), "state", None)
+        if not getattr(state, "is_fsdp2", False) or not self.args.roundalign_regions:
+            return
+        plugin = state.fsdp_plugin
+        before = plugin.mixed_precision_policy
+        plugin.mixed_precision_policy = aligned_fsdp2_policy(before)
+        logger.info("FSDP2 mixed precision for the aligned model: %s (was %s)", plugin.mixed_precision_policy, before)
 
     # ------------------------------------------------------------------ optimizer
 
