@@ -6,7 +6,7 @@ export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 
-.PHONY: setup test test-full test-fast demo bench lint results clean
+.PHONY: setup test test-full test-fast demo experiment bench lint results clean
 
 setup:
 	@bash scripts/setup.sh
@@ -23,6 +23,11 @@ test-fast: setup
 
 demo: setup
 	$(PY) recipes/cpu/demo.py
+
+# The stability study (issue 16): hours on 2 cores, resumable (run it again to continue), not part of `make test`.
+# Options through EXPERIMENT_ARGS, e.g. make experiment EXPERIMENT_ARGS="--conditions bf16_default exact --seeds 1".
+experiment: setup
+	$(PY) recipes/cpu/stability.py $(EXPERIMENT_ARGS)
 
 bench: setup
 	$(PY) bench/bench_ops.py
