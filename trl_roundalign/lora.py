@@ -10,8 +10,8 @@ one layer at a time, and the base weights are never written. Vanilla LoRA only: 
 refused by `check_lossless_supported`.
 
 `merged_lora_forward` makes the trainer compute what vLLM runs after that sync: `x @ r(W + ΔW)^T`, one
-GEMM with the merged weight (materialised for one layer at a time), instead of PEFT's `W x + s B(A x)`;
-gradients reach A and B through the merge (`_MergedLinear`).
+GEMM with the merged weight (materialised for one layer at a time, in the forward and again in the backward,
+never kept), instead of PEFT's `W x + s B(A x)`; gradients reach A and B through the merge (`_MergedLinear`).
 """
 
 from __future__ import annotations
@@ -132,7 +132,9 @@ class _MergedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, layer, adapters, *lora_weights):
         merged = _merged_weight(layer, adapters)
-        ctx.save_for_backward(x, merged, *lora_weights)
+        # The merged weight is not saved: the backward recomputes it (the same bits: A, B and W do not change
+        # between a forward and its backward), so no layer's merged copy outlives its own GEMM.
+        ctx.save_for_backward(x, *lora_weights)
         ctx.layer, ctx.adapters, ctx.has_bias = layer, adapters, bias is not None
         return torch.nn.functional.linear(x, merged, bias)
 
@@ -143,8 +145,9 @@ class _MergedLinear(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, dy):
-        x, merged, *lora_weights = ctx.saved_tensors
+        x, *lora_weights = ctx.saved_tensors
         layer, adapters = ctx.layer, ctx.adapters
+        merged = _merged_weight(layer, adapters)
         dx = dy @ merged
         dbias = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.has_bias else None
         dw = dy.reshape(-1, dy.shape[-1]).float().t() @ x.reshape(-1, x.shape[-1]).float()  # [out, in], fp32
