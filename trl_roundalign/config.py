@@ -94,7 +94,8 @@ class RoundAlignGRPOConfig(GRPOConfig):
         metadata={
             "help": "At start-up, score a few short sequences on the engine and on the policy under the profile and the "
             "other candidates; stop with an error naming the better profile if another matches the engine clearly "
-            "better (exact mode: anything short of 100%% bit-identical). The result goes into mismatch.jsonl's header."
+            "better (exact mode: anything short of 100%% bit-identical; a vLLM-CPU server in server mode: any rival "
+            "with a lower k3, exact profiles refused there). The result goes into mismatch.jsonl's header."
         },
     )
     roundalign_lora_forward: str = field(

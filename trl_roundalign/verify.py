@@ -29,7 +29,14 @@ from .profiles import ALL_REGIONS, get_profile, is_exact
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ProfileMismatch", "Verification", "verification_sequences", "verify_profile"]
+__all__ = [
+    "ProfileMismatch",
+    "Verification",
+    "server_engine_info",
+    "server_prompt_logprobs",
+    "verification_sequences",
+    "verify_profile",
+]
 
 # Fixed text, tokenised by the engine's tokenizer: the same tokens on both sides, no sampling.
 _TEXTS = (
@@ -39,6 +46,9 @@ _TEXTS = (
 )
 # A better candidate must halve the chosen profile's k3 to count as "clearly better".
 CLEARLY_BETTER = 0.5
+# Server mode on a vLLM-CPU server (or one whose platform is unknown): no exact refinement can decide (the
+# server's reduction lanes are not known), so any candidate with a strictly lower k3 refutes the chosen profile.
+STRICTLY_BETTER = 1.0
 
 
 class ProfileMismatch(ValueError):
@@ -64,6 +74,7 @@ class Verification:
     tokens: int = 0
     seconds: float = 0.0
     verdict: str = ""
+    engine: dict | None = None  # server mode: the server's configuration as read from /server_info
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -106,18 +117,94 @@ def _score(model, sequences, engine_logps, regions, profile, backend, lanes, blo
     )
 
 
-def candidate_profiles(info) -> tuple[list[str], list[str]]:
-    """`(base candidates, exact candidates)` worth scoring against an engine (`EngineInfo`)."""
+def candidate_profiles(info, *, exact: bool = True) -> tuple[list[str], list[str]]:
+    """`(base candidates, exact candidates)` worth scoring against an engine (`EngineInfo`).
+
+    `exact=False`: the engine's reduction lanes are not known (a vLLM server), so the exact refinements
+    cannot be scored; a compiled vLLM-CPU engine is then checked against the base profiles by k3.
+    """
     if info is not None and info.platform == "cpu" and info.compiled:
         from .ops.attention import vllm_cpu_attention_available
 
-        if vllm_cpu_attention_available():
+        if exact and vllm_cpu_attention_available():
             # The two exact refinements decide bit for bit; scoring the base profiles too would only add cost.
             return [], list(EXACT_REFINEMENTS)
         return ["vllm-compiled", "vllm-compiled-piecewise", "vllm-eager-cpu", "vllm-eager-cpu-avx2", "none"], []
     if info is not None and info.platform == "cpu":
         return ["vllm-eager-cpu", "vllm-eager-cpu-avx2", "vllm-compiled", "vllm-compiled-piecewise", "none"], []
     return ["vllm-compiled-piecewise", "vllm-compiled", "vllm-eager", "none"], []
+
+
+# Every base profile: the candidates for a server whose platform is not known.
+ALL_BASE_CANDIDATES = (
+    "vllm-compiled",
+    "vllm-compiled-piecewise",
+    "vllm-eager",
+    "vllm-eager-cpu",
+    "vllm-eager-cpu-avx2",
+    "none",
+)
+
+
+def server_engine_info(server_info: dict):
+    """`(EngineInfo or None, why)` of a vLLM server, from its full `/server_info` JSON (`config_format=json`).
+
+    Read from what the server reports (its `VllmConfig`, vLLM and torch versions); the platform comes from
+    `device_config.device`. None, with the reason, when the answer does not say on which platform the server
+    runs: the caller must not assume one. `cpu_isa` and `inductor_dir` stay unknown (another process).
+    """
+    from .engine import EngineInfo
+
+    cfg = server_info.get("vllm_config") if isinstance(server_info, dict) else None
+    if not isinstance(cfg, dict):
+        return None, "its /server_info has no vllm_config in JSON form"
+    system = server_info.get("system_env") or {}
+    device = str((cfg.get("device_config") or {}).get("device") or "").split(":")[0]
+    if device in ("", "auto", "None"):
+        return None, f"its /server_info names no device (device_config: {cfg.get('device_config')!r})"
+    cc = cfg.get("compilation_config") or {}
+    mode = cc.get("mode")
+    if isinstance(mode, int):
+        from vllm.config import CompilationMode
+
+        mode = CompilationMode(mode).name
+    priority = {
+        k: list(v) for k, v in ((cfg.get("kernel_config") or {}).get("ir_op_priority") or {}).items()
+        if k in ("rms_norm", "fused_add_rms_norm") and v is not None
+    }
+    info = EngineInfo(
+        vllm_version=str(system.get("vllm_version") or ""),
+        platform=device,
+        compile_mode=str(mode),
+        enforce_eager=bool((cfg.get("model_config") or {}).get("enforce_eager")),
+        custom_ops=list(cc.get("custom_ops") or []),
+        cache_dir=cc.get("local_cache_dir") or None,
+        backend=str(cc.get("backend") or ""),
+        splitting_ops=list(cc.get("splitting_ops") or []),
+        use_inductor_graph_partition=bool(cc.get("use_inductor_graph_partition")),
+        ir_op_priority=priority,
+        torch_version=str(system.get("torch_version") or ""),
+    )
+    if mode is None and not info.enforce_eager:
+        return info, f"{device}, compile mode not reported"
+    return info, f"{device}, {'compiled' if info.compiled else 'eager'} ({info.compile_mode})"
+
+
+def server_prompt_logprobs(client, sequences: list[list[int]]) -> list[torch.Tensor]:
+    """A vLLM server's prompt log-probs of each sequence (entry `t` scores token `t + 1`), one request.
+
+    TRL's `VLLMClient.get_sequence_logprobs` (completions with `prompt_logprobs`, temperature 1): the same
+    numbers `prompt_logprobs` gives a colocated engine.
+    """
+    out = client.get_sequence_logprobs(sequences=sequences, prompt_lengths=[1] * len(sequences), top_logprobs=1)
+    result = [torch.tensor([lp[0] for lp in seq], dtype=torch.float32) for seq in out["actual_logprobs"]]
+    for seq, lps in zip(sequences, result):
+        if len(lps) != len(seq) - 1 or not torch.isfinite(lps).all():
+            raise RuntimeError(
+                f"The vLLM server returned {len(lps)} prompt log-probs for {len(seq)} tokens (or non-finite ones); "
+                "the start-up profile check cannot score it."
+            )
+    return result
 
 
 def verify_profile(
@@ -131,6 +218,10 @@ def verify_profile(
     backend: str | None = None,
     lanes=None,
     attention_block_size: int | None = None,
+    candidates: list[str] | tuple[str, ...] | None = None,
+    note: str = "",
+    better_ratio: float = CLEARLY_BETTER,
+    auto_ok: bool = True,
 ) -> Verification:
     """Score `sequences` under the chosen profile and the candidates; raise `ProfileMismatch` on a mismatch.
 
@@ -142,13 +233,19 @@ def verify_profile(
         sequences: the token ids the engine scored.
         chosen: the profile the run will use.
         regions: the run's regions (the chosen profile is scored with them).
-        info: the engine's `EngineInfo` (None in server mode: candidates for a GPU engine).
+        info: the engine's `EngineInfo` (None: candidates for a GPU engine; server mode passes the one
+            `server_engine_info` reads, or `candidates` when the server's platform is unknown).
         backend, lanes: kernel backend, and the engine's reduction lanes (exact profiles).
         attention_block_size: the engine's KV cache block size (exact profiles' attention kernel).
+        candidates: base profiles to score instead of `candidate_profiles(info)` (no exact ones then).
+        note: appended to a mismatch's message (what is known about the engine, e.g. in server mode).
+        better_ratio: a base candidate whose k3 is below `better_ratio` times the chosen profile's is a better
+            match (default: it must halve it; 1.0: any strictly lower k3, when no exact refinement can decide).
+        auto_ok: whether a mismatch's message may suggest roundalign_profile='auto' (not in server mode).
     """
     start = time.perf_counter()
     regions = tuple(regions)
-    bases, exacts = candidate_profiles(info)
+    bases, exacts = candidate_profiles(info, exact=lanes is not None) if candidates is None else (list(candidates), [])
     if is_exact(chosen) and chosen not in exacts:
         exacts = [chosen, *exacts]
     base_regions = tuple(r for r in regions if r != "attention") or ("rope", "swiglu", "rmsnorm")
@@ -168,10 +265,12 @@ def verify_profile(
     tokens = sum(len(x) for x in engine_logps)
     result = Verification(chosen, None, scores, tokens, 0.0)
 
+    or_auto = " or 'auto'" if auto_ok else ""
+
     def fail(message: str):
         result.seconds = time.perf_counter() - start
         result.verdict = "mismatch"
-        raise ProfileMismatch(message)
+        raise ProfileMismatch(message + note)
 
     if is_exact(chosen):
         result.engine_profile = chosen if chosen_score.frac_bitwise_equal == 1.0 else None
@@ -191,7 +290,7 @@ def verify_profile(
                 fail(
                     f"roundalign_profile={chosen!r} does not describe this engine: {result.engine_profile} does "
                     f"(its exact mode {exact_hits[0]} is bit-identical to the engine). Set roundalign_profile="
-                    f"'{result.engine_profile}' or 'auto'."
+                    f"'{result.engine_profile}'{or_auto}."
                 )
         elif exact_scores:
             best = max(exact_scores, key=lambda s: s.frac_bitwise_equal)
@@ -204,12 +303,12 @@ def verify_profile(
             others = [s for s in scores[1:] if s.regions == list(base_regions) and s.profile != chosen_base]
             best = min(others, key=lambda s: s.kl_k3, default=None)
             result.engine_profile = chosen_base
-            if best is not None and best.kl_k3 < CLEARLY_BETTER * chosen_score.kl_k3:
+            if best is not None and best.kl_k3 < better_ratio * chosen_score.kl_k3:
                 result.engine_profile = best.profile
                 fail(
                     f"roundalign_profile={chosen!r} matches this engine worse than {best.profile!r} (k3 "
                     f"{chosen_score.kl_k3:.2e} vs {best.kl_k3:.2e} on {tokens} tokens). Set roundalign_profile="
-                    f"'{best.profile}' or 'auto', or run `trl-roundalign probe`."
+                    f"'{best.profile}'{or_auto}, or run `trl-roundalign probe`."
                 )
     result.seconds = time.perf_counter() - start
     result.verdict = "ok"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 import signal
@@ -145,6 +146,12 @@ def test_server_mode_trains_and_syncs_weights_over_gloo(server, tmp_path):
         client = trainer.vllm_generation.vllm_client
         assert isinstance(client, GlooVLLMClient)
         assert trainer.roundalign_report.regions == ("rope", "swiglu", "rmsnorm")
+        # The profile was checked against the server at start-up (and the patches put back afterwards).
+        ver = trainer.roundalign_verification
+        assert ver is not None and ver.verdict == "ok" and ver.engine_profile == "vllm-compiled", ver
+        assert ver.engine["platform"] == "cpu" and ver.engine["compiled"], ver.engine
+        assert [c.profile for c in ver.candidates][0] == "vllm-compiled" and len(ver.candidates) >= 4
+        assert trainer.roundalign_report.profile == "vllm-compiled"
         ids = trainer.processing_class(TEXT)["input_ids"]
 
         # Before training the server holds the checkpoint: it agrees with the trainer up to rounding.
@@ -165,7 +172,8 @@ def test_server_mode_trains_and_syncs_weights_over_gloo(server, tmp_path):
         assert gap < max(4 * base_gap, 1e-3), (gap, base_gap)  # follows the trainer as closely as at the start
         assert gap < stale / 4, (gap, stale)  # and is far closer to the new weights than to the old ones
 
-        # Weights went over before every step's generation (steps 1 and 2), plus the sync above (access log).
+        # Weights went over at start-up (the profile check scores the trainer's weights; step 1's generation uses
+        # them), before step 2's generation, plus the sync above (access log).
         assert server.log.read_text(errors="replace").count('"POST /update_weights HTTP/1.1" 200') == 3
 
         steps = [h for h in trainer.state.log_history if "mismatch/kl_k3" in h]
@@ -174,6 +182,69 @@ def test_server_mode_trains_and_syncs_weights_over_gloo(server, tmp_path):
             assert math.isfinite(h["mismatch/kl_k3"]) and h["mismatch/tokens"] > 0
         rows = (tmp_path / "mismatch.jsonl").read_text().splitlines()
         assert [json.loads(r)["step"] for r in rows[1:]] == [1, 2]
+
+
+def server_trainer(server, tmp_path, profile: str, **overrides):
+    from trl_roundalign import RoundAlignGRPOTrainer
+    from trl_roundalign.data import arithmetic_dataset
+
+    args = make_config(
+        tmp_path, max_steps=1, vllm_mode="server", vllm_server_base_url=server.url, vllm_server_timeout=60,
+        vllm_group_port=free_port(), roundalign_profile=profile, **overrides,
+    )  # fmt: skip
+    return RoundAlignGRPOTrainer(
+        model=tiny_model("qwen3"), reward_funcs=varied_reward, args=args, train_dataset=arithmetic_dataset("train[:16]")
+    )
+
+
+def test_server_mode_verification_logs_the_right_profile(server, tmp_path, caplog):
+    with server.log_on_failure(), caplog.at_level(logging.INFO, logger="trl_roundalign.trainer"):
+        trainer = server_trainer(server, tmp_path, "vllm-compiled")
+        trainer.vllm_generation.vllm_client.close_communicator()
+    lines = [r.getMessage() for r in caplog.records if "verified against the vLLM server" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("profile vllm-compiled verified against the vLLM server at "), lines
+    assert "cpu, compiled" in lines[0]
+    # The chosen profile has the lowest k3 of the candidates scored (what the check relies on).
+    ver = trainer.roundalign_verification
+    assert min(ver.candidates, key=lambda c: c.kl_k3).profile == "vllm-compiled"
+
+
+@pytest.mark.parametrize("wrong", ["vllm-compiled-piecewise", "vllm-eager-cpu-avx2"])
+def test_server_mode_a_wrong_profile_stops_naming_the_better_one(server, tmp_path, wrong):
+    from trl_roundalign.verify import ProfileMismatch
+
+    with pytest.raises(ProfileMismatch) as err:
+        server_trainer(server, tmp_path, wrong)
+    msg = str(err.value)
+    assert f"roundalign_profile={wrong!r} matches this engine worse than 'vllm-compiled'" in msg, msg
+    assert "Set roundalign_profile='vllm-compiled'," in msg and "'auto'" not in msg, msg
+    assert f"The vLLM server at {server.url} runs cpu, compiled" in msg, msg
+
+
+def test_server_mode_refuses_exact_profiles(server, tmp_path):
+    """Exact mode needs the engine's reduction lanes, from its compile cache: not readable across processes."""
+    from trl_roundalign.verify import ProfileMismatch
+
+    with pytest.raises(
+        ProfileMismatch, match=r"'vllm-compiled-exact' is exact, .*cannot be read here.*'vllm-compiled'"
+    ):
+        server_trainer(server, tmp_path, "vllm-compiled-exact")
+
+
+def test_server_engine_info_reads_the_platform_or_says_it_cannot():
+    from trl_roundalign.verify import server_engine_info
+
+    cfg = {
+        "device_config": {"device": "cpu"},
+        "model_config": {"enforce_eager": False},
+        "compilation_config": {"mode": 2, "backend": "inductor", "custom_ops": ["none"], "splitting_ops": []},
+    }
+    info, about = server_engine_info({"vllm_config": cfg, "system_env": {"vllm_version": "0.31.0"}})
+    assert info.platform == "cpu" and info.compiled and info.compile_mode == "DYNAMO_TRACE_ONCE", info
+    assert about == "cpu, compiled (DYNAMO_TRACE_ONCE)"
+    info, about = server_engine_info({"vllm_config": dict(cfg, device_config={"device": "auto"})})
+    assert info is None and "names no device" in about
+    assert server_engine_info({})[0] is None
 
 
 def test_cpu_client_names_the_backend_it_needs(monkeypatch):
