@@ -126,7 +126,8 @@ class _MergedLinear(torch.autograd.Function):
     """`x @ r(W + ΔW)^T + b` with `ΔW = s B A` as PEFT computes it; gradients reach A and B.
 
     The rounding of the merge is treated as the identity in the backward (the weight's gradient is the
-    gradient of a linear layer, `dW = dy^T x` in fp32), then `dB = s dW A^T`, `dA = s B^T dW`.
+    gradient of a linear layer, `dW = dy^T x`), then `dB = s dW A^T`, `dA = s B^T dW`, in fp32 and without
+    forming `dW`.
     """
 
     @staticmethod
@@ -150,13 +151,16 @@ class _MergedLinear(torch.autograd.Function):
         merged = _merged_weight(layer, adapters)
         dx = dy @ merged
         dbias = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.has_bias else None
-        dw = dy.reshape(-1, dy.shape[-1]).float().t() @ x.reshape(-1, x.shape[-1]).float()  # [out, in], fp32
+        # dA = s B^T dW and dB = s dW A^T with dW = dy^T x, computed without forming dW (a weight-sized GEMM):
+        # dA = s (dy B)^T x, dB = s dy^T (x A^T), in fp32: tokens x r x (in + out) multiply-adds per adapter.
+        dyf = dy.reshape(-1, dy.shape[-1]).float()
+        xf = x.reshape(-1, x.shape[-1]).float()
         grads = []
         for i, a in enumerate(adapters):
             wa, wb = lora_weights[2 * i], lora_weights[2 * i + 1]
             s = layer.scaling[a]
-            grads.append((s * (wb.float().t() @ dw)).to(wa.dtype))  # dA
-            grads.append((s * (dw @ wa.float().t())).to(wb.dtype))  # dB
+            grads.append((s * ((dyf @ wb.float()).t() @ xf)).to(wa.dtype))  # dA [r, in]
+            grads.append((s * (dyf.t() @ (xf @ wa.float().t()))).to(wb.dtype))  # dB [out, r]
         return (dx, None, dbias, None, None, *grads)
 
 
