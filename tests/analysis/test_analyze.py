@@ -52,6 +52,10 @@ def test_analyze_tiny_qwen3_regions(tmp_path, engines):
     assert on_disk["profile"] == "vllm-compiled" and on_disk["engine"]["compiled"]
     assert k3(on_disk, "three_region") < k3(on_disk, "bf16_default")
     assert k3(on_disk, "exact") == 0.0
+    # Against the sampler, the exact mode sits exactly on the engine's own floor.
+    floor = on_disk["floors"]["sampler_vs_prefill"]["mismatch/kl_k3"]
+    assert math.isfinite(floor) and floor >= 0
+    assert k3(on_disk, "exact", "vs_sampler") == pytest.approx(floor, rel=1e-9, abs=1e-15)
     # Contributions are differences of the k3 column (alone: default - region).
     alone = {c["regions"][0]: c["name"] for c in on_disk["conditions"] if len(c["regions"]) == 1}
     for r in ("rope", "swiglu", "rmsnorm"):
@@ -61,6 +65,7 @@ def test_analyze_tiny_qwen3_regions(tmp_path, engines):
 
 @pytest.mark.vllm
 @pytest.mark.slow
+@pytest.mark.full  # about 5 min on an AVX2 2-core CPU; make test covers analyze on the tiny Qwen3 (floor check included)
 def test_analyze_smollm2_paper_conditions(tmp_path, engines):
     path = smollm2_135m()
     summary = analyze(
