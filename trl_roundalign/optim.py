@@ -72,7 +72,7 @@ def aligned_fsdp2_policy(policy=None, *, param_dtype: torch.dtype | None = None)
     as accelerate wraps transformer layers, that rounds the fp32 residual stream the aligned layers hand on
     (`docs/numerics.md`) to bf16 at every layer boundary: the forward then differs from the engine's while
     looking aligned (`tests/trainer/test_fsdp2.py`). accelerate 1.x builds its FSDP2 policy with
-    `output_dtype=param_dtype` and the default `cast_forward_inputs` (its source marks this as a TODO).
+    `output_dtype=param_dtype` and leaves `cast_forward_inputs` at its default (accelerate/utils/dataclasses.py).
 
     Returned: the same `param_dtype` (the compute dtype, which must be the engine's bf16/fp16), gradients
     reduced in fp32 (as `MasterWeightsOptimizer` accumulates them), nothing cast at module boundaries.

@@ -34,8 +34,7 @@ Settings, and why (each is recorded in `summary.json["settings"]`):
   its own (the demo trains at 1e-5 without trouble).
 - **1 prompt x 4 completions per generation** (`per_device_train_batch_size=4`, one process) and
   **`max_completion_length=32`**: what a 2-core CPU affords. Without AVX512-BF16 (the AVX2 machine) PyTorch has
-  no fast bf16 GEMM: a bf16 linear measured 4 GFLOPS forward and under 2 GFLOPS forward + backward, against 31
-  GFLOPS in fp32 (same machine, under load), and each sequence is padded to the longest prompt (about 45 tokens
+  no fast bf16 GEMM (the matmuls, not the alignment, set a step's cost), and each sequence is padded to the longest prompt (about 45 tokens
   with SmolLM2's chat template) plus the longest completion, so the cost of a step is about proportional to
   sequences x (45 + longest completion). The prompts ask for a number only, but SmolLM2 at temperature 1 often
   goes on explaining: in the smoke runs 3 of 4 completions reached 32 tokens (with a cap of 64, 8 completions
@@ -66,7 +65,7 @@ Outputs:
   the seed average and each seed's values under `per_seed`.
 - `docs/results/stability/stability.png`: one panel per metric, steps on x, conditions as lines.
 - Checkpoints under `outputs/stability/<model>/<condition>_seed<seed>/` (outside `docs/`; the latest only,
-  about 2 GB each for SmolLM2 with its optimizer state and fp32 masters), every `--save-steps` steps.
+  with the optimizer state and fp32 masters), every `--save-steps` steps.
 
 Resuming: run the same command again. A run that was stopped or killed restarts from its latest checkpoint;
 rows of steps after that checkpoint are dropped from its rows file and logged again (as `MismatchCallback`
