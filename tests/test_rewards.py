@@ -10,6 +10,7 @@ import pytest
 from trl_roundalign.rewards import (
     REWARD_FUNCS,
     answers_match,
+    arithmetic_partial_reward,
     arithmetic_reward,
     boxed_math_reward,
     completion_text,
@@ -222,8 +223,32 @@ def test_arithmetic_reward_checks_lengths():
         arithmetic_reward(["1", "2"], answer=["1"])
 
 
+@pytest.mark.parametrize(
+    "text, answer, expected",
+    [
+        ("The answer is 12", "12", 1.0),
+        ("13", "12", 0.45),
+        ("10", "12", 0.5 * 0.81),
+        ("-5", "5", 0.5 * 0.9**10),
+        (r"\boxed{12} and then 3", "12", 1.0),
+        ("no number", "3", 0.0),
+        ("1" * 40, "3", 0.0),  # a huge number: credit ~1e-46, no overflow
+    ],
+)
+def test_arithmetic_partial_reward(text, answer, expected):
+    assert arithmetic_partial_reward([text], answer=[answer]) == pytest.approx([expected], abs=1e-12)
+    assert arithmetic_partial_reward([conv(text)], answer=[answer]) == pytest.approx([expected], abs=1e-12)
+
+
+def test_arithmetic_partial_reward_never_beats_a_right_answer():
+    rewards = arithmetic_partial_reward([str(v) for v in range(-50, 150)], answer=["72"] * 200)
+    assert max(rewards) == 1.0 and sorted(rewards)[-2] == 0.45
+    with pytest.raises(ValueError):
+        arithmetic_partial_reward(["1", "2"], answer=["1"])
+
+
 def test_registry_and_binding():
-    assert set(REWARD_FUNCS) == {"r1_math_reward", "boxed_math_reward", "arithmetic_reward"}
+    assert set(REWARD_FUNCS) == {"r1_math_reward", "boxed_math_reward", "arithmetic_reward", "arithmetic_partial_reward"}
     funcs = get_reward_funcs(["r1_math_reward", "arithmetic_reward"], max_completion_length=4, eos_token_ids=[0])
     assert isinstance(funcs[0], functools.partial) and funcs[0].func is r1_math_reward
     assert funcs[0].keywords == {"max_completion_length": 4, "eos_token_ids": [0]}

@@ -119,6 +119,11 @@ def test_other_settings_in_a_rows_file_refuse_to_resume(stability, tmp_path):
     path.write_text("".join(json.dumps(x) + "\n" for x in [_header(stability, "exact", 0), _row(1), _row(2)]))
     with pytest.raises(stability.UsageError, match="no checkpoint"):
         stability.plan_run("exact", 0, 3, results, tmp_path / "out", settings)
+    # A checkpoint past the logged steps (the rows were moved away): resuming would leave steps unlogged.
+    (tmp_path / "out" / "exact_seed0" / "checkpoint-2").mkdir(parents=True)
+    path.write_text(json.dumps(_header(stability, "exact", 0)) + "\n")
+    with pytest.raises(stability.UsageError, match="is at step 2 but .* logs 0 steps"):
+        stability.plan_run("exact", 0, 3, results, tmp_path / "out", settings)
 
 
 @pytest.mark.vllm

@@ -27,11 +27,16 @@ Settings, and why (each is recorded in `summary.json["settings"]`):
   identically 1 and the clip never acts. Also halves the generation cost per step. TRL then computes the
   "old" log-probs with the trainer at generation time, so `mismatch/*` is measured (and logged) on the steps
   that generate: every other step.
+- **A reward with partial credit** (`arithmetic_partial_reward`: 1 for the right number, `0.5 * 0.9**|error|`
+  for a wrong one, 0 without a number); the 0/1 `arithmetic_reward` is logged beside it with weight 0
+  (`rewards/arithmetic_reward/mean`: the fraction of exact answers). SmolLM2 answers about 5% of these prompts
+  exactly (a 21-step pilot with the 0/1 reward: mean reward 0.045), so with 0/1 most groups of 4 completions have
+  equal rewards, zero advantages and no gradient: the policy would hardly move and the mismatch could not matter.
+  Closeness gives nearly every group a spread, so every generation carries a learning signal. The pilot's rows
+  are kept in `docs/results/stability/pilot-01-reward/`.
 - **`learning_rate=2e-5`, constant, Adam with fp32 master weights**: 20x the study's 1e-6, so that a 135M model
-  moves visibly within a few hundred small steps (SmolLM2 answers about 7% of these prompts right, so most groups
-  of 4 have no reward variance and give no gradient: only about a quarter of the generations carry a learning
-  signal); larger steps let a biased gradient do more per step. Not so large that every condition diverges on
-  its own (the demo trains at 1e-5 without trouble).
+  moves visibly within a few hundred small steps; larger steps let a biased gradient do more per step. Not so
+  large that every condition diverges on its own (the demo trains at 1e-5 without trouble).
 - **1 prompt x 4 completions per generation** (`per_device_train_batch_size=4`, one process) and
   **`max_completion_length=32`**: what a 2-core CPU affords. Without AVX512-BF16 (the AVX2 machine) PyTorch has
   no fast bf16 GEMM (the matmuls, not the alignment, set a step's cost), and each sequence is padded to the longest prompt (about 45 tokens
@@ -106,7 +111,7 @@ CONDITIONS: dict[str, list[str]] = {
 # Everything that must be equal for runs to be compared (and for a checkpoint to be resumed with).
 SETTINGS: dict = {
     "dataset": "arithmetic (trl_roundalign/data/arithmetic.jsonl, split train, 500 prompts)",
-    "reward": "arithmetic_reward",
+    "reward": "arithmetic_partial_reward (trained on); arithmetic_reward (0/1) logged with weight 0",
     "prompts_per_generation": 1,
     "num_generations": 4,
     "num_iterations": 2,
@@ -127,7 +132,8 @@ SETTINGS: dict = {
 
 # (log key, short name in summary.json, panel title, log scale)
 METRICS: tuple[tuple[str, str, str, bool], ...] = (
-    ("reward", "reward", "reward (arithmetic, 0/1)", False),
+    ("reward", "reward", "reward (partial credit, trained on)", False),
+    ("rewards/arithmetic_reward/mean", "accuracy", "exact answers (arithmetic_reward, 0/1)", False),
     ("mismatch/kl_k3", "kl_k3", "mismatch/kl_k3", True),
     ("mismatch/frac_outside_clip", "frac_outside_clip", "mismatch/frac_outside_clip", False),
     ("mismatch/abs_logp_diff/p99", "abs_logp_diff_p99", "mismatch/abs_logp_diff/p99 (nats)", False),
@@ -344,7 +350,8 @@ def plan_run(condition: str, seed: int, steps: int, results_dir: Path, output_di
 
     Raises:
         UsageError: the rows file was written with other settings, or holds steps past any checkpoint
-            that is left (the checkpoints were deleted: starting over would throw logged steps away).
+            that is left (the checkpoints were deleted: starting over would throw logged steps away), or a
+            checkpoint is past the logged steps (its rows were moved: resuming would train on unlogged steps).
     """
     path = rows_path(results_dir, condition, seed)
     lines = read_jsonl(path)
@@ -360,6 +367,12 @@ def plan_run(condition: str, seed: int, steps: int, results_dir: Path, output_di
         raise UsageError(
             f"{os.path.relpath(path, ROOT)} holds {done} steps but {os.path.relpath(output_dir, ROOT)} has no checkpoint of "
             f"{condition} seed {seed} to resume from; restore it, or delete the rows file to start this run over"
+        )
+    if ckpt is not None and ckpt_step > done:
+        raise UsageError(
+            f"{os.path.relpath(ckpt, ROOT)} is at step {ckpt_step} but {os.path.relpath(path, ROOT)} logs {done} steps "
+            "(rows moved or deleted, or another study's checkpoint): restore the rows, or delete "
+            f"{os.path.relpath(Path(ckpt).parent, ROOT)} to start this run over"
         )
     return {"done": done, "checkpoint": ckpt, "start": ckpt_step}
 
@@ -381,6 +394,7 @@ def build_config(condition: str, seed: int, steps: int, run_dir: Path, save_step
         max_completion_length=settings["max_completion_length"],
         temperature=settings["temperature"],
         learning_rate=settings["learning_rate"],
+        reward_weights=[1.0, 0.0],  # arithmetic_reward (exact answers) is logged, not trained on
         lr_scheduler_type=settings["lr_scheduler_type"],
         loss_type=settings["loss_type"],
         beta=settings["beta"],
@@ -424,7 +438,7 @@ def run_one(
 
     from trl_roundalign import RoundAlignGRPOTrainer
     from trl_roundalign.data import arithmetic_dataset
-    from trl_roundalign.rewards import arithmetic_reward
+    from trl_roundalign.rewards import arithmetic_partial_reward, arithmetic_reward
 
     run_dir = output_dir / f"{condition}_seed{seed}"
     where = f"from checkpoint {os.path.relpath(plan['checkpoint'], ROOT)}" if plan["checkpoint"] else "from scratch"
@@ -443,7 +457,7 @@ def run_one(
     callback = _rows_callback(rows_path(results_dir, condition, seed), condition, seed, steps, later_steps, header)
     with RoundAlignGRPOTrainer(
         model=model_path,
-        reward_funcs=arithmetic_reward,
+        reward_funcs=[arithmetic_partial_reward, arithmetic_reward],
         args=build_config(condition, seed, steps, run_dir, save_steps, settings),
         train_dataset=arithmetic_dataset("train"),
         callbacks=[callback],
