@@ -260,17 +260,20 @@ def normalize_answer(answer: str) -> str:
 
 
 def _math_verify_equal(pred: str, gold: str) -> bool:
-    """Symbolic comparison with `math_verify`; `False` on any failure.
+    """Symbolic comparison with `math_verify`; `False` on any failure of the comparison.
 
     `math_verify` bounds parsing and comparison with `signal.alarm`, which only works in the main thread
     (elsewhere `signal.signal` raises `ValueError`). In other threads (TRL runs async reward functions in
     a background event loop) its timeouts are disabled: a pathological expression can then take long.
+
+    Raises:
+        ImportError: `math_verify` is not installed (the `[recipes]` extra): one line. Never a silent `False`,
+            which would score right answers as wrong.
     """
-    try:
-        from math_verify import parse, verify
-    except ImportError:  # pragma: no cover - a declared dependency
-        logger.warning("math_verify is not installed: r1_math_reward compares normalised strings only.")
-        return False
+    from ._extras import require
+
+    math_verify = require("math_verify", "recipes", "the math rewards' symbolic answer check")
+    parse, verify = math_verify.parse, math_verify.verify
     main = threading.current_thread() is threading.main_thread()
     parse_timeout = 5 if main else None
     verify_timeout = 5 if main else None
