@@ -90,6 +90,9 @@ class GRPOScriptArguments(ScriptArguments):
         log_history_file (`str`, *optional*): JSONL of every logged row (default `<output_dir>/log_history.jsonl`).
         save_final_model (`bool`): save the trained model to `output_dir` at the end.
         max_train_seconds (`float`, *optional*): stop training after the step that passes this wall time.
+        step_limit_file (`str`, *optional*): a file holding a step count, read after every step: training stops
+            once it reaches that step (another process may lower or raise it while the run trains; the CPU demo
+            plans its step count this way).
     """
 
     dataset_name: str | None = field(
@@ -124,6 +127,13 @@ class GRPOScriptArguments(ScriptArguments):
     max_train_seconds: float | None = field(
         default=None,
         metadata={"help": "Stop training after the first step that ends past this many seconds of training."},
+    )
+    step_limit_file: str | None = field(
+        default=None,
+        metadata={
+            "help": "File holding a step count, read after every step: training stops once it reaches that step "
+            "(it may be changed while the run trains)."
+        },
     )
 
 
@@ -381,6 +391,45 @@ class LogHistoryCallback(TrainerCallback):
                 fh.write(json.dumps(row) + "\n")
 
 
+def _all_agree(accelerator, flag: bool) -> bool:
+    """Rank 0's `flag` on every rank (a decision read from a clock or a file must be the same everywhere)."""
+    if accelerator is None or accelerator.num_processes <= 1:
+        return flag
+    import torch
+    from accelerate.utils import broadcast
+
+    return bool(broadcast(torch.tensor([float(flag)], device=accelerator.device), from_process=0).item())
+
+
+def read_step_limit(path: str | os.PathLike) -> int:
+    """The step count in a step-limit file; `ValueError` naming the file when it holds anything else."""
+    text = Path(path).read_text().strip()
+    try:
+        limit = int(text)
+    except ValueError:
+        raise ValueError(f"step limit file {path} holds {text[:40]!r}, not a step count") from None
+    if limit < 1:
+        raise ValueError(f"step limit file {path} holds {limit}; a step count is at least 1")
+    return limit
+
+
+class StepLimitCallback(TrainerCallback):
+    """Stop training once `global_step` reaches the count in a file that is read after every step."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = str(path)
+        read_step_limit(self.path)  # fail at start-up, not after the first step
+        self.accelerator = None
+        self.stopped_at: int | None = None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        reached = state.global_step >= read_step_limit(self.path)
+        if _all_agree(self.accelerator, reached) and not control.should_training_stop:
+            control.should_training_stop = True
+            self.stopped_at = state.global_step
+            logger.info("step limit in %s reached: stopping after step %d", self.path, state.global_step)
+
+
 class TimeBudgetCallback(TrainerCallback):
     """Stop training after the first optimizer step that ends past `seconds` of training (all ranks agree)."""
 
@@ -394,13 +443,7 @@ class TimeBudgetCallback(TrainerCallback):
         self._start = time.monotonic()
 
     def on_step_end(self, args, state, control, **kwargs):
-        over = self._start is not None and time.monotonic() - self._start > self.seconds
-        if self.accelerator is not None and self.accelerator.num_processes > 1:
-            import torch
-            from accelerate.utils import broadcast
-
-            flag = torch.tensor([float(over)], device=self.accelerator.device)
-            over = bool(broadcast(flag, from_process=0).item())
+        over = _all_agree(self.accelerator, self._start is not None and time.monotonic() - self._start > self.seconds)
         if over and not control.should_training_stop:
             control.should_training_stop = True
             self.stopped_at = state.global_step
@@ -451,8 +494,12 @@ def build_trainer(script_args: GRPOScriptArguments, training_args, model_args):
     history = script_args.log_history_file or os.path.join(training_args.output_dir, "log_history.jsonl")
     callbacks: list[TrainerCallback] = [LogHistoryCallback(history)]
     budget = TimeBudgetCallback(script_args.max_train_seconds) if script_args.max_train_seconds else None
-    if budget is not None:
-        callbacks.append(budget)
+    limit = StepLimitCallback(script_args.step_limit_file) if script_args.step_limit_file else None
+    callbacks += [cb for cb in (budget, limit) if cb is not None]
+    phase(
+        "building the trainer: model, vLLM engine (a first run compiles its graph, later runs load it), "
+        "profile verification against the engine"
+    )
     trainer = RoundAlignGRPOTrainer(
         model=model_path,
         reward_funcs=reward_funcs,
@@ -463,8 +510,9 @@ def build_trainer(script_args: GRPOScriptArguments, training_args, model_args):
         quantization_config=get_quantization_config(model_args),
         peft_config=get_peft_config(model_args),
     )
-    if budget is not None:
-        budget.accelerator = trainer.accelerator
+    for cb in (budget, limit):
+        if cb is not None:
+            cb.accelerator = trainer.accelerator
     trainer.accelerator.print(
         f"roundalign: condition={script_args.condition or '-'} regions={list(training_args.roundalign_regions)} "
         f"profile={trainer.roundalign_profile} dtype={training_args.model_init_kwargs.get('dtype')} "
@@ -473,8 +521,15 @@ def build_trainer(script_args: GRPOScriptArguments, training_args, model_args):
     return trainer
 
 
+def phase(what: str) -> None:
+    """One `[phase] ...` line on the main process: where a run's start-up is (the CPU demo shows these)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"[phase] {what}", flush=True)
+
+
 def train(trainer, script_args: GRPOScriptArguments, training_args) -> None:
     """Train, then save the model (and push it when asked)."""
+    phase("training")
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     history = script_args.log_history_file or os.path.join(training_args.output_dir, "log_history.jsonl")
     trainer.accelerator.print(f"Training completed. Logs: {history}")
@@ -492,6 +547,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _set_cpu_environment()
     try:
         script_args, training_args, model_args = parse_args(argv)
+        phase("loading the prompts and rewards")
         trainer = build_trainer(script_args, training_args, model_args)
     except (ValueError, FileNotFoundError, ConnectionError, ImportError) as exc:
         if os.environ.get("TRL_ROUNDALIGN_DEBUG"):

@@ -8,6 +8,7 @@ for 2 steps, and `recipes/eval_aime.py` on a tiny model with vLLM.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import json
 import math
 import subprocess
@@ -217,8 +218,59 @@ def test_time_budget_stops_after_the_step_that_passes_it(grpo, monkeypatch):
     assert control.should_training_stop and cb.stopped_at == 2
 
 
+def test_step_limit_file_stops_at_its_count_and_may_change(grpo, tmp_path):
+    from transformers import TrainerControl, TrainerState
+
+    path = tmp_path / "limit"
+    path.write_text("3\n")
+    cb, state, control = grpo.StepLimitCallback(path), TrainerState(), TrainerControl()
+    for step in (1, 2):
+        state.global_step = step
+        cb.on_step_end(None, state, control)
+        assert not control.should_training_stop
+    path.write_text("2")  # lowered below the current step while the run trains: stop now
+    state.global_step = 3
+    cb.on_step_end(None, state, control)
+    assert control.should_training_stop and cb.stopped_at == 3
+    for bad, says in (("", "not a step count"), ("x", "not a step count"), ("0", "at least 1")):
+        path.write_text(bad)
+        with pytest.raises(ValueError, match=says):
+            grpo.StepLimitCallback(path)
+
+
 # ------------------------------------------------------------------------------------------------
-# The demo's table and summary
+# The demo's plan, phases, table and summary
+
+
+def test_demo_plans_equal_steps_from_the_measured_first_step(demo):
+    # 13 min budget, 120 s start-up, 20 s a step, 600 s left after the first step:
+    # (600 - 20 - 120 + 1 * 20) / 40 = 12 steps per run.
+    assert demo.plan_steps(requested=30, done=1, step_s=20.0, startup_s=120.0, remaining_s=600.0) == 12
+    assert demo.plan_steps(requested=30, done=1, step_s=2.0, startup_s=60.0, remaining_s=600.0) == 30  # capped
+    # A slow machine: never below the step under way (the one after the last row the demo has seen).
+    assert demo.plan_steps(requested=30, done=4, step_s=200.0, startup_s=300.0, remaining_s=100.0) == 5
+    assert demo.plan_steps(requested=30, done=1, step_s=500.0, startup_s=300.0, remaining_s=10.0) == 2
+    assert demo.plan_steps(requested=3, done=3, step_s=1.0, startup_s=1.0, remaining_s=1e4) == 3
+    assert demo.plan_steps(requested=30, done=1, step_s=500.0, startup_s=300.0, remaining_s=None) == 30
+
+
+def test_demo_reads_phases_in_order(demo):
+    log = "x\n[phase] loading the prompts and rewards\n[phase] building the trainer: ...\n"
+    assert demo.PHASES[demo.phase_of(log)][1] == "loading the model"
+    log += "INFO ... Dynamo bytecode transform time: 3.1 s\n"
+    i = demo.phase_of(log)
+    assert "compiling" in demo.PHASES[i][1]
+    assert demo.phase_of(log + "[phase] training\n", i) == len(demo.PHASES) - 1
+    assert demo.phase_of("nothing yet") == -1
+
+
+def test_demo_plot_has_integer_steps_and_says_lower_is_better(demo, tmp_path):
+    rows = [{"step": s, "reward": 0.1 * s, "mismatch/kl_k3": 1e-3 / s} for s in (1, 2)]
+    path = tmp_path / "kl.png"
+    demo.plot_kl({"three_region": rows, "bf16_default": rows[:1]}, path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    src = inspect.getsource(demo.plot_kl)
+    assert "lower is better" in src and "MaxNLocator(integer=True)" in src
 
 
 def test_demo_table_and_summary(demo):
@@ -233,7 +285,8 @@ def test_demo_table_and_summary(demo):
     assert math.isclose(summary["kl_k3_last5"], 4e-3)
     table = demo.summary_table({"three_region": summary, "bf16_default": demo.summarize(rows[:3], 5.0)})
     assert "mismatch/kl_k3, mean" in table and "three_region" in table
-    cmd = demo.launch_command("three_region", ROOT / "outputs" / "x", 30)
+    cmd = demo.launch_command("three_region", ROOT / "outputs" / "x", 30, ROOT / "outputs" / "x" / "step_limit")
+    assert cmd[cmd.index("--step_limit_file") + 1] == "outputs/x/step_limit"
     assert cmd[:4] == ["accelerate", "launch", "--config_file", "recipes/accelerate_configs/cpu.yaml"]
     assert "recipes/grpo.py" in cmd and cmd[cmd.index("--condition") + 1] == "three_region"
 
@@ -249,13 +302,20 @@ def test_cpu_recipe_two_steps_through_accelerate_launch(tmp_path, model):
     """The CPU demo's recipe, 2 GRPO steps, launched the way the demo and README launch it (`make test`: on a
     tiny model; the recipe's own SmolLM2, about 1.5 min per step on an AVX2 2-core CPU, in `make test-full`)."""
     out = tmp_path / "run"
+    limit = tmp_path / "step_limit"
+    limit.write_text("2")  # as the demo plans it: the file, not --max_steps 3, ends the run
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CPU_ACCELERATE),
-        "recipes/grpo.py", "--config", str(CPU_RECIPE), "--max_steps", "2", "--output_dir", str(out),
-        "--save_final_model", "false", "--model_name_or_path", model,
+        "recipes/grpo.py", "--config", str(CPU_RECIPE), "--max_steps", "3", "--output_dir", str(out),
+        "--save_final_model", "false", "--model_name_or_path", model, "--step_limit_file", str(limit),
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # The start-up phases the demo shows, in order.
+    phases = [line for line in proc.stdout.splitlines() if line.startswith("[phase] ")]
+    assert [p.split(":")[0] for p in phases] == [
+        "[phase] loading the prompts and rewards", "[phase] building the trainer", "[phase] training"
+    ]  # fmt: skip
     rows = [json.loads(line) for line in (out / "log_history.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "mismatch/kl_k3" in r]
     assert [r["step"] for r in steps] == [1, 2]

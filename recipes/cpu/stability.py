@@ -553,8 +553,9 @@ def summarize(results_dir: Path) -> dict:
 
 def plot(results_dir: Path, path: Path) -> None:
     """One panel per metric (steps on x, integer ticks), one line per condition (and seed)."""
-    import matplotlib
+    from trl_roundalign._extras import require
 
+    matplotlib = require("matplotlib", "recipes", "the stability study's figure")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
