@@ -69,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--exact", choices=("auto", "on", "off"), default="auto", help="Add the exact mode (vLLM-CPU compiled only).")
     a.add_argument("--output-dir", default="outputs/analyze", help="Folder for the report files.")
     a.add_argument("--no-floors", action="store_true", help="Skip measuring the engine's own floors.")
+    a.add_argument(
+        "--per-layer",
+        action="store_true",
+        help="Also compare every layer's attention, MLP and residual stream with the engine's (the exact mode's values, "
+        "checked against the engine's log-probs): per_layer.csv and per_layer.png.",
+    )
     _engine_args(a)
 
     p = sub.add_parser(

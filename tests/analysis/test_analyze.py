@@ -36,6 +36,28 @@ def check_report(out, summary, *, names):
     return on_disk
 
 
+def check_per_layer(out, on_disk, *, names):
+    """`--per-layer`: the CSV and PNG, one row per condition, layer and point; the reference checked against the
+    engine; the exact mode against itself all zero (the hooks' own check); three regions closer than default BF16."""
+    import csv
+
+    assert (out / "per_layer.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = list(csv.DictReader((out / "per_layer.csv").open()))
+    pl = on_disk["per_layer"]
+    assert len(rows) == len(pl["rows"]) and pl["reference"] == "exact"
+    assert pl["reference_bit_identical"] == 1.0  # exact mode == engine prefill on every completion token
+    layers = 1 + max(int(r["layer"]) for r in rows if r["point"] == "stream")
+    for name in names:
+        mine = [r for r in pl["rows"] if r["condition"] == name]
+        assert len(mine) == 3 * layers + 1, name
+    for r in pl["rows"]:
+        if r["condition"] == "exact":
+            assert r["rel_l2"] == 0.0 and r["frac_bit_identical"] == 1.0, r
+    final = {r["condition"]: r["rel_l2"] for r in pl["rows"] if r["point"] == "final_norm"}
+    assert 0 < final["three_region"] < final["bf16_default"], final
+    assert "## Per layer" in (out / "summary.md").read_text()
+
+
 def k3(summary, name, side="vs_prefill"):
     return next(c for c in summary["conditions"] if c["name"] == name)[side]["mismatch/kl_k3"]
 
@@ -45,10 +67,11 @@ def test_analyze_tiny_qwen3_regions(tmp_path, engines):
     path = tiny_model("qwen3")
     summary = analyze(
         str(path), num_prompts=3, samples_per_prompt=2, max_new_tokens=32, conditions="regions",
-        output_dir=tmp_path, progress=False, llm=engines(path),
+        output_dir=tmp_path, progress=False, llm=engines(path), per_layer=True,
     )
     names = ["bf16_default", "rope_only", "swiglu", "rmsnorm", "three_region", "exact"]
     on_disk = check_report(tmp_path, summary, names=names)
+    check_per_layer(tmp_path, on_disk, names=names)
     assert on_disk["profile"] == "vllm-compiled" and on_disk["engine"]["compiled"]
     assert k3(on_disk, "three_region") < k3(on_disk, "bf16_default")
     assert k3(on_disk, "exact") == 0.0
@@ -131,6 +154,7 @@ def test_cli_bad_input(tmp_path):
     assert_one_line_error(run_cli("analyze", tiny, "--samples-per-prompt", "0"), "at least 1")
     assert_one_line_error(run_cli("analyze", tiny, "--num-prompts", "0"), "at least 1")
     assert_one_line_error(run_cli("analyze", tiny, "--profile", "fast"), "known profiles")
+    assert_one_line_error(run_cli("analyze", tiny, "--per-layer", "--exact", "off"), "--per-layer .* exact mode")
 
 
 def test_cli_env():

@@ -7,7 +7,8 @@ control) and against the sampler (what the RL loss sees); each region's contribu
 removed from the three); and the engine's own floors (decode vs prefill, one-at-a-time vs batched).
 
 Outputs in `output_dir`: `summary.md`, `summary.json`, `per_token.csv`, `kl_by_condition.png`,
-`abs_logp_diff_cdf.png`, `prob_scatter.png`.
+`abs_logp_diff_cdf.png`, `prob_scatter.png`; with `per_layer`, `per_layer.csv` and `per_layer.png` (each layer's
+and sublayer's values against the engine's, `per_layer.py`).
 
 `summary.json` fields:
 
@@ -137,6 +138,7 @@ def analyze(
     exact: str = "auto",
     engine_kwargs: dict | None = None,
     floors: bool = True,
+    per_layer: bool = False,
     output_dir: str | os.PathLike | None = None,
     progress: bool = True,
     llm=None,
@@ -157,6 +159,8 @@ def analyze(
         raise ValueError(f"--samples-per-prompt must be at least 1, got {samples_per_prompt}.")
     if max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be at least 1, got {max_new_tokens}.")
+    if per_layer and exact == "off":
+        raise ValueError("--per-layer compares every layer with the exact mode: drop --exact off.")
     model_path = resolve_model(model)
     check_architecture(model_path)
     rows = read_prompts(prompts, column=prompt_column, split=split, n=num_prompts, seed=seed)
@@ -170,6 +174,12 @@ def analyze(
             use_exact = info.compiled and info.platform == "cpu" and resolved in ("vllm-compiled", "vllm-compiled-piecewise")
         else:
             use_exact = exact == "on"
+        if per_layer and not use_exact:
+            raise ValueError(
+                "--per-layer compares every layer with the exact mode (vLLM's compiled graph reproduced operation for "
+                f"operation), which this engine has none of ({info.platform}, compile mode {info.compile_mode}, profile "
+                f"{resolved}; exact {exact}): use vLLM-CPU in its default compiled mode and --exact auto."
+            )
         conds = build_conditions(conditions, resolved, exact=use_exact)
         prompt_ids = tokenize_prompts(rows, llm.get_tokenizer())
         comp = compare_with_engine(
@@ -182,6 +192,7 @@ def analyze(
             temperature=temperature,
             seed=seed,
             floors=floors,
+            per_layer=per_layer,
             progress=progress,
         )
         summary = {
@@ -205,6 +216,12 @@ def analyze(
             "contributions": region_contributions(comp.stats, comp.conditions),
             "floors": comp.floors,
         }
+        if comp.per_layer is not None:
+            summary["per_layer"] = {
+                "reference": "exact",
+                "reference_bit_identical": comp.stats["exact"]["vs_prefill"]["mismatch/frac_bitwise_equal"],
+                "rows": comp.per_layer,
+            }
     finally:
         if own_engine:
             close_llm(llm)
@@ -243,6 +260,30 @@ def format_contributions(summary: dict) -> str:
     return "\n".join(rows)
 
 
+def format_per_layer(summary: dict) -> str:
+    """Residual stream after the first, middle and last layer and the final norm; the sublayers' largest values."""
+    pl = summary["per_layer"]
+    rows = pl["rows"]
+    layers = sorted({r["layer"] for r in rows if r["point"] == "stream"})
+    picks = sorted({layers[0], layers[len(layers) // 2], layers[-1]})
+    head = "| condition | " + " | ".join(f"stream after layer {i}" for i in picks) + " | final norm | max attention | max MLP |"
+    lines = [
+        f"Reference: the exact mode, whose log-probs were bit-identical to the engine's prefill on "
+        f"{pl['reference_bit_identical']:.2%} of completion tokens (the engine's intermediates cannot be read; "
+        "see `per_layer.csv` for every layer and sublayer, `per_layer.png`).",
+        "",
+        head,
+        "|---|" + "---|" * (len(picks) + 3),
+    ]
+    for name in dict.fromkeys(r["condition"] for r in rows):
+        mine = [r for r in rows if r["condition"] == name]
+        at = {(r["layer"], r["point"]): r["rel_l2"] for r in mine}
+        vals = [at.get((i, "stream")) for i in picks] + [next((r["rel_l2"] for r in mine if r["point"] == "final_norm"), None)]
+        vals += [max((r["rel_l2"] for r in mine if r["point"] == p), default=None) for p in ("attention", "mlp")]
+        lines.append(f"| {name} | " + " | ".join(_fmt(v) for v in vals) + " |")
+    return "\n".join(lines)
+
+
 def write_report(summary: dict, comp: Comparison, output_dir: str | os.PathLike) -> Path:
     """Write summary.md, summary.json, per_token.csv and the figures (these need matplotlib: `[analysis]`)."""
     _matplotlib()  # before any file is written: no half report when it is missing
@@ -271,6 +312,12 @@ def write_report(summary: dict, comp: Comparison, output_dir: str | os.PathLike)
         format_contributions(summary),
         "",
     ]
+    if "per_layer" in summary:
+        md += ["## Per layer (relative L2 difference from the engine's values)", "", format_per_layer(summary), ""]
+        from .per_layer import plot_per_layer, write_per_layer_csv
+
+        write_per_layer_csv(summary["per_layer"]["rows"], out / "per_layer.csv")
+        plot_per_layer(summary["per_layer"]["rows"], out / "per_layer.png", title=f"{summary['model']}: where the mismatch arises")
     (out / "summary.md").write_text("\n".join(md))
     _write_csv(comp, out / "per_token.csv")
     _plots(summary, comp, out)
@@ -372,10 +419,14 @@ def run_analyze_cli(args) -> int:
         exact=args.exact,
         engine_kwargs=kw,
         floors=not args.no_floors,
+        per_layer=args.per_layer,
         output_dir=args.output_dir,
     )
     print(format_table(summary))
     print()
     print(format_contributions(summary))
+    if "per_layer" in summary:
+        print()
+        print(format_per_layer(summary))
     print(f"\nreport written to {args.output_dir}/ (summary.md, summary.json, per_token.csv, *.png)")
     return 0

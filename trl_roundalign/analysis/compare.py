@@ -18,6 +18,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "CONDITION_SETS",
+    "apply_condition",
     "Condition",
     "build_conditions",
     "completion_matrix",
@@ -69,6 +70,23 @@ def build_conditions(which: str, profile: str, *, exact: bool = False) -> list[C
     return out
 
 
+def apply_condition(
+    model: torch.nn.Module,
+    cond: Condition,
+    reduction_lanes: Sequence[int] | None,
+    attention_block_size: int | None,
+    backend: str | None = None,
+) -> None:
+    """Revert whatever patches `model` has, then apply `cond`'s (lanes and block size where its profile uses them)."""
+    revert_roundalign(model)
+    lanes = reduction_lanes if get_profile(cond.profile).reduction == "inductor-cpu" else None
+    block = attention_block_size if get_profile(cond.profile).attention == "vllm-cpu" else None
+    apply_roundalign(
+        model, cond.regions, cond.profile, backend, reduction_lanes=lanes, positions_from_mask=False,
+        attention_block_size=block,
+    )
+
+
 def score_conditions(
     model_path,
     samples: Sequence[Sample],
@@ -97,13 +115,7 @@ def score_conditions(
 
         iterator = tqdm(conditions, desc="scoring conditions", unit="condition")
     for cond in iterator:
-        revert_roundalign(model)
-        lanes = reduction_lanes if get_profile(cond.profile).reduction == "inductor-cpu" else None
-        block = attention_block_size if get_profile(cond.profile).attention == "vllm-cpu" else None
-        apply_roundalign(
-            model, cond.regions, cond.profile, backend, reduction_lanes=lanes, positions_from_mask=False,
-            attention_block_size=block,
-        )
+        apply_condition(model, cond, reduction_lanes, attention_block_size, backend)
         out[cond.name] = hf_logprobs(model, seqs)
     revert_roundalign(model)
     return out
@@ -178,6 +190,7 @@ class Comparison:
     stats: dict[str, dict[str, dict[str, float]]]
     floors: dict[str, dict[str, float]]
     reduction_lanes: list[int] | None
+    per_layer: list[dict] | None = None  # rows of per_layer.csv (`per_layer.per_layer_differences`)
 
 
 def chat_prompts(tokenizer, n: int, *, seed: int = 0) -> list[list[int]]:
@@ -206,13 +219,15 @@ def compare_with_engine(
     temperature: float = 1.0,
     seed: int = 0,
     floors: bool = True,
+    per_layer: bool = False,
     progress: bool = False,
 ) -> Comparison:
     """Generate with `llm`, score the same tokens under each condition, and compute the statistics.
 
     Mismatch is measured against vLLM's prefill scoring of the full sequences (what the training
     side can match) and against the sampler's decode-time log-probs (what the RL loss sees). The
-    engine's own floors are measured too: sampler vs prefill, and one-at-a-time vs batched prefill.
+    engine's own floors are measured too: sampler vs prefill, and one-at-a-time vs batched prefill. With
+    `per_layer`, each condition's values after every layer are compared with the exact mode's (`per_layer.py`).
     """
     from ..engine import engine_info, inductor_reduction_lanes
     from .scoring import generate_samples, vllm_prefill_logprobs
@@ -243,4 +258,11 @@ def compare_with_engine(
         single, _ = completion_matrix(samples, vllm_prefill_logprobs(llm, seqs, one_at_a_time=True))
         floor_stats["sampler_vs_prefill"] = metrics.token_stats(pre, samp, mask)
         floor_stats["single_vs_batched_prefill"] = metrics.token_stats(single, pre, mask)
-    return Comparison(str(model_path), list(conditions), samples, prefill, train, stats, floor_stats, lanes)
+    layer_rows = None
+    if per_layer:
+        from .per_layer import per_layer_differences
+
+        layer_rows = per_layer_differences(
+            model_path, seqs, conditions, reduction_lanes=lanes, attention_block_size=block, progress=progress
+        )
+    return Comparison(str(model_path), list(conditions), samples, prefill, train, stats, floor_stats, lanes, layer_rows)
