@@ -257,6 +257,13 @@ def format_contributions(summary: dict) -> str:
     rows = ["| region | k3 drop alone (default − region) | k3 drop in the three (without − with) |", "|---|---|---|"]
     for r, v in summary["contributions"].items():
         rows.append(f"| {r} | {_fmt(v['alone'])} | {_fmt(v['removal'])} |")
+    if any(v[k] is None for v in summary["contributions"].values() for k in ("alone", "removal")):
+        rows += [
+            "",
+            "n/a: the conditions it needs were not run (alone: the region by itself; removal: the three without it). "
+            f"This run: --conditions {summary.get('settings', {}).get('conditions', '?')}; 'regions' adds each region alone, 'all' also "
+            "the removals.",
+        ]
     return "\n".join(rows)
 
 
@@ -386,14 +393,17 @@ def _plots(summary: dict, comp: Comparison, out: Path) -> None:
     plt.close(fig)
 
     shown = [n for n in ("bf16_default", "three_region", "exact") if n in comp.train] or list(comp.train)[:2]
-    fig, axes = plt.subplots(1, len(shown), figsize=(3.6 * len(shown), 3.4), squeeze=False)
+    # Δ log p against log p (not p against p): a random tiny model puts every token near p = 1/vocab, where a p-p
+    # scatter is one dot in the corner; the difference is what the eye should read, on a shared y range.
+    fig, axes = plt.subplots(1, len(shown), figsize=(3.6 * len(shown), 3.4), squeeze=False, sharey=True)
     for ax, name in zip(axes[0], shown):
         tr, _ = completion_matrix(comp.samples, comp.train[name])
-        ax.scatter(pre_m[valid].exp().numpy(), tr[valid].exp().numpy(), s=4, alpha=0.5)
-        ax.plot([0, 1], [0, 1], color="gray", lw=0.8)
+        ax.scatter(pre_m[valid].numpy(), (tr - pre_m)[valid].numpy(), s=4, alpha=0.5)
+        ax.axhline(0.0, color="gray", lw=0.8)
         ax.set_title(name, fontsize=9)
-        ax.set_xlabel("p vLLM (prefill)")
-        ax.set_ylabel("p train")
+        ax.set_xlabel("log p vLLM (prefill)")
+        ax.set_ylabel("Δ log p = train − vLLM")
+        ax.grid(True, alpha=0.3)
     fig.tight_layout()
     fig.savefig(out / "prob_scatter.png", dpi=120)
     plt.close(fig)
