@@ -187,7 +187,7 @@ def write_per_layer_csv(rows: Sequence[dict], path: str | Path) -> None:
 
 
 def plot_per_layer(rows: Sequence[dict], path: str | Path, *, title: str = "") -> None:
-    """Three panels by layer (residual stream, attention output, MLP output), one line per condition, log y."""
+    """Three panels by layer (residual stream and final norm, attention output, MLP output), a line per condition."""
     from .._extras import require
 
     matplotlib = require("matplotlib", "analysis", "the analyze report's figures")
@@ -196,21 +196,26 @@ def plot_per_layer(rows: Sequence[dict], path: str | Path, *, title: str = "") -
     from matplotlib.ticker import MaxNLocator
 
     names = list(dict.fromkeys(r["condition"] for r in rows))
+    # A condition equal to the reference everywhere (the exact mode) has no point on a log axis: named in the title.
+    zero = [n for n in names if all(r["rel_l2"] == 0 for r in rows if r["condition"] == n)]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2), sharey=True)
-    floor = 1e-9  # bit-identical (0) drawn at the bottom of the log axis
-    for ax, point, label in zip(axes, POINTS, ("residual stream after the layer", "attention output", "MLP output")):
+    panels = (("stream", "residual stream after the layer"), ("attention", "attention output"), ("mlp", "MLP output"))
+    for ax, (point, label) in zip(axes, panels):
         for name in names:
-            pts = [(r["layer"], max(r["rel_l2"], floor)) for r in rows if r["condition"] == name and r["point"] == point]
-            if point == "stream":
-                pts += [(r["layer"], max(r["rel_l2"], floor)) for r in rows if r["condition"] == name and r["point"] == "final_norm"]
+            if name in zero:
+                continue
+            wanted = (point, "final_norm") if point == "stream" else (point,)
+            pts = [(r["layer"], r["rel_l2"]) for r in rows if r["condition"] == name and r["point"] in wanted]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3, label=name)
         ax.set_yscale("log")
-        ax.set_xlabel("layer" + (" (last point: final norm)" if point == "stream" else ""))
+        ax.set_xlabel("layer" + (" (last point: the final norm)" if point == "stream" else ""))
         ax.set_title(label, fontsize=10)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(True, which="both", alpha=0.3)
-    axes[0].set_ylabel(f"relative L2 difference from the engine\n(exact mode; lower is better; {floor:g} = bit-identical)")
+    axes[0].set_ylabel("relative L2 difference from the engine\n(lower is better)")
     axes[0].legend(fontsize=8)
+    if zero:
+        title = (title + "\n" if title else "") + f"{', '.join(zero)}: bit-identical to the reference at every point"
     if title:
         fig.suptitle(title, fontsize=11)
     fig.tight_layout()
