@@ -457,19 +457,20 @@ def arithmetic_reward(completions: Sequence[Completion], answer: Sequence[Any], 
     Returns:
         `list[float]`: one reward per completion.
     """
+    return [0.0 if e is None else float(e == 0) for e in _arithmetic_errors(completions, answer)]
+
+
+def _arithmetic_errors(completions: Sequence[Completion], answer: Sequence[Any]) -> list[float | None]:
+    """`|last number - answer|` per completion (None without a number): what both arithmetic rewards grade."""
     if len(answer) != len(completions):
         raise ValueError(f"{len(completions)} completions but {len(answer)} answers.")
-    rewards = []
+    errors = []
     for completion, target in zip(completions, answer):
-        value = _last_number(completion_text(completion))
-        rewards.append(0.0 if value is None else float(value == int(str(target).strip())))
-    return rewards
-
-
-def _last_number(text: str) -> float | None:
-    boxed = last_boxed(text)
-    numbers = _NUMBER_RE.findall(boxed if boxed is not None else text)
-    return float(numbers[-1]) if numbers else None
+        text = completion_text(completion)
+        boxed = last_boxed(text)
+        numbers = _NUMBER_RE.findall(boxed if boxed is not None else text)
+        errors.append(abs(float(numbers[-1]) - int(str(target).strip())) if numbers else None)
+    return errors
 
 
 def arithmetic_partial_reward(completions: Sequence[Completion], answer: Sequence[Any], **kwargs) -> list[float]:
@@ -489,17 +490,10 @@ def arithmetic_partial_reward(completions: Sequence[Completion], answer: Sequenc
     Returns:
         `list[float]`: one reward per completion.
     """
-    if len(answer) != len(completions):
-        raise ValueError(f"{len(completions)} completions but {len(answer)} answers.")
-    rewards = []
-    for completion, target in zip(completions, answer):
-        value = _last_number(completion_text(completion))
-        if value is None:
-            rewards.append(0.0)
-            continue
-        error = abs(value - int(str(target).strip()))
-        rewards.append(1.0 if error == 0 else 0.5 * 0.9 ** min(error, 1000.0))
-    return rewards
+    return [
+        0.0 if e is None else 1.0 if e == 0 else 0.5 * 0.9 ** min(e, 1000.0)
+        for e in _arithmetic_errors(completions, answer)
+    ]
 
 
 REWARD_FUNCS: dict[str, Callable[..., list[float]]] = {
