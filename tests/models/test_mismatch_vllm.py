@@ -52,8 +52,10 @@ MODELS = {
 SLOW = {"smollm2-135m"}
 # The models `make test` covers per engine; the rest of the matrix is `make test-full` (the Phi-3 models too: about 90 s
 # each per engine on the 2-core AVX2 machine; `make test` covers Phi-3 at the region level and in tests/models/test_patching.py).
+# make test covers each claim on tiny models and the peaked Qwen3 (random, with peaked distributions); SmolLM2 (5.5 min of
+# engine build and scoring on the AVX2 2-core machine) runs in make test-full, which keeps make test under 40 min.
 IN_MAKE_TEST = {
-    "whole": {"tiny-qwen3", "tiny-llama-odd", "peaked-qwen3", "smollm2-135m"},
+    "whole": {"tiny-qwen3", "tiny-llama-odd", "peaked-qwen3"},
     "piecewise": {"tiny-qwen2-odd", "tiny-qwen3", "peaked-qwen3"},
 }
 CHAT = (
@@ -124,7 +126,8 @@ def test_exact_mode_reproduces_vllm_bit_for_bit(name, engine):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", ["whole", pytest.param("piecewise", marks=pytest.mark.full)])
+@pytest.mark.full  # SmolLM2's comparison: make test-full (see IN_MAKE_TEST)
+@pytest.mark.parametrize("engine", ["whole", "piecewise"])
 def test_exact_mode_on_other_chat_prompts(engine):
     """SmolLM2 on general chat prompts (not the arithmetic set): still bit for bit."""
     comparison("smollm2-135m", engine)
