@@ -91,6 +91,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -495,6 +496,8 @@ def run_metrics(rows: list[dict]) -> dict:
         out[f"{name}_final"] = _mean(values[-FINAL_WINDOW:])
         if name == "kl_k3":
             out["kl_k3_max"] = max(values) if values else None
+        if name == "step_s":  # the median: a step during which the run was paused (SIGSTOP) does not move it
+            out["step_s_median"] = statistics.median(values) if values else None
     out["wall_s"] = round(sum(_finite(r.get("step_s") for r in rows)), 1)
     return out
 
@@ -638,7 +641,7 @@ def summary_table(summary: dict) -> str:
         ("frac_outside_clip_mean", "outside clip, mean", "{:14.4f}"),
         ("clip_ratio_region_mean", "PPO clip ratio, mean", "{:14.4f}"),
         ("entropy_final", f"entropy, last {FINAL_WINDOW}", "{:14.3f}"),
-        ("step_s_mean", "s per step, mean", "{:14.1f}"),
+        ("step_s_median", "s per step, median", "{:14.1f}"),
     )
     for key, label, fmt in spec:
         cells = []
