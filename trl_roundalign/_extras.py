@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-__all__ = ["missing_extra", "require"]
+__all__ = ["agg_pyplot", "missing_extra", "require"]
 
 DIST = "trl-roundalign"
 
@@ -52,3 +52,9 @@ def require(
             raise
         top = module.split(".")[0]
         raise missing_extra(package or top.replace("_", "-"), extra, what, alternative=alternative) from exc
+
+
+def agg_pyplot(extra: str, what: str) -> ModuleType:
+    """`matplotlib.pyplot` on the non-interactive Agg backend (files only), or `missing_extra` naming `extra`."""
+    require("matplotlib", extra, what).use("Agg")
+    return importlib.import_module("matplotlib.pyplot")

@@ -291,11 +291,9 @@ def summary_table(summaries: dict[str, dict], last: int = 5) -> str:
 
 def plot_kl(runs: dict[str, list[dict]], path: Path) -> None:
     """Two panels, steps on x (integers): the mismatch (lower is better) and the reward, both runs as lines."""
-    from trl_roundalign._extras import require
+    from trl_roundalign._extras import agg_pyplot
 
-    matplotlib = require("matplotlib", "recipes", "the demo's figure")
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = agg_pyplot("recipes", "the demo's figure")
     from matplotlib.ticker import MaxNLocator
 
     styles = {"three_region": ("tab:blue", "o", "-"), "bf16_default": ("tab:red", "s", "--")}

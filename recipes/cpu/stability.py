@@ -556,11 +556,9 @@ def summarize(results_dir: Path) -> dict:
 
 def plot(results_dir: Path, path: Path) -> None:
     """One panel per metric (steps on x, integer ticks), one line per condition (and seed)."""
-    from trl_roundalign._extras import require
+    from trl_roundalign._extras import agg_pyplot
 
-    matplotlib = require("matplotlib", "recipes", "the stability study's figure")
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = agg_pyplot("recipes", "the stability study's figure")
     from matplotlib.ticker import MaxNLocator
 
     runs = load_runs(results_dir)

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from .._extras import require
+from .._extras import agg_pyplot
 from .checkpoint import check_architecture
 from .compare import Comparison, build_conditions, compare_with_engine, completion_matrix, region_contributions
 
@@ -347,15 +347,12 @@ def _write_csv(comp: Comparison, path: Path) -> None:
 
 
 def _matplotlib():
-    """matplotlib with the Agg backend; a one-line ImportError naming the `[analysis]` extra when it is missing."""
-    matplotlib = require("matplotlib", "analysis", "the analyze report's figures")
-    matplotlib.use("Agg")
-    return matplotlib
+    """`matplotlib.pyplot` (Agg); a one-line ImportError naming the `[analysis]` extra when it is missing."""
+    return agg_pyplot("analysis", "the analyze report's figures")
 
 
 def _plots(summary: dict, comp: Comparison, out: Path) -> None:
-    _matplotlib()
-    import matplotlib.pyplot as plt
+    plt = _matplotlib()
 
     names = [c["name"] for c in summary["conditions"]]
     fig, ax = plt.subplots(figsize=(max(5, 1.3 * len(names)), 3.6))

@@ -39,6 +39,11 @@ POINTS = ("attention", "mlp", "stream")  # per decoder layer; the final norm is 
 CSV_FIELDS = ("condition", "layer", "point", "rel_l2", "max_abs", "frac_bit_identical", "elements")
 
 
+def _position(layer: int, point: str) -> tuple[int, int]:
+    """Forward order: a layer's attention, MLP and stream, then the final norm (the layer after the last)."""
+    return layer, POINTS.index(point) if point in POINTS else len(POINTS)
+
+
 def _tensor(out) -> torch.Tensor:
     return out[0] if isinstance(out, tuple | list) else out
 
@@ -100,7 +105,7 @@ class LayerRecorder:
     def rows(self) -> list[dict]:
         out = []
         for name, sums in self._sums.items():
-            for (layer, point), (d2, r2, max_abs, same, n) in sorted(sums.items(), key=lambda kv: (kv[0][0], POINTS.index(kv[0][1]) if kv[0][1] in POINTS else 9)):
+            for (layer, point), (d2, r2, max_abs, same, n) in sorted(sums.items(), key=lambda kv: _position(*kv[0])):
                 out.append({
                     "condition": name, "layer": layer, "point": point,
                     "rel_l2": math.sqrt(d2 / r2) if r2 > 0 else float("nan"), "max_abs": max_abs,
@@ -175,7 +180,7 @@ def per_layer_differences(
         rows = recorder.rows()
         recorder.close()
     names = [c.name for c in conditions]
-    return sorted(rows, key=lambda r: (names.index(r["condition"]), r["layer"], POINTS.index(r["point"]) if r["point"] in POINTS else 9))
+    return sorted(rows, key=lambda r: names.index(r["condition"]))  # stable: each condition's rows keep their order
 
 
 def write_per_layer_csv(rows: Sequence[dict], path: str | Path) -> None:
@@ -188,11 +193,9 @@ def write_per_layer_csv(rows: Sequence[dict], path: str | Path) -> None:
 
 def plot_per_layer(rows: Sequence[dict], path: str | Path, *, title: str = "") -> None:
     """Three panels by layer (residual stream and final norm, attention output, MLP output), a line per condition."""
-    from .._extras import require
+    from .._extras import agg_pyplot
 
-    matplotlib = require("matplotlib", "analysis", "the analyze report's figures")
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = agg_pyplot("analysis", "the analyze report's figures")
     from matplotlib.ticker import MaxNLocator
 
     names = list(dict.fromkeys(r["condition"] for r in rows))
