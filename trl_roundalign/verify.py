@@ -207,6 +207,14 @@ def server_prompt_logprobs(client, sequences: list[list[int]]) -> list[torch.Ten
     return result
 
 
+def _family_profiles(model) -> tuple[str, ...] | None:
+    """The profiles measured for the model's family (`ArchSpec.profiles`; None: all)."""
+    from .models import find_backbone, get_spec
+
+    config = getattr(find_backbone(model), "config", None) or getattr(model, "config", None)
+    return get_spec(getattr(config, "model_type", None)).profiles
+
+
 def verify_profile(
     model,
     engine_logps: list[torch.Tensor],
@@ -246,6 +254,9 @@ def verify_profile(
     start = time.perf_counter()
     regions = tuple(regions)
     bases, exacts = candidate_profiles(info, exact=lanes is not None) if candidates is None else (list(candidates), [])
+    measured = _family_profiles(model)
+    if measured is not None:  # a family measured on some engines only (Gemma 3): the others cannot be scored
+        bases, exacts = [p for p in bases if p in measured], [p for p in exacts if p in measured]
     if is_exact(chosen) and chosen not in exacts:
         exacts = [chosen, *exacts]
     base_regions = tuple(r for r in regions if r != "attention") or ("rope", "swiglu", "rmsnorm")

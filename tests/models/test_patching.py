@@ -11,7 +11,8 @@ from trl_roundalign.local_models import tiny_model
 from trl_roundalign.models import ARCH_SPECS, default_reduction_lanes, norm_order
 from trl_roundalign.profiles import ALL_REGIONS, PAPER_REGIONS
 
-ARCHS = ("qwen2", "qwen3", "llama", "phi3")
+ARCHS = ("qwen2", "qwen3", "llama", "phi3", "gemma3")
+MODEL_TYPE = {"gemma3": "gemma3_text"}
 
 
 def load(arch: str, **overrides) -> torch.nn.Module:
@@ -38,6 +39,7 @@ def test_coverage_every_target_module_is_patched(arch):
     model = load(arch)
     report = apply_roundalign(model, PAPER_REGIONS)
     n = model.config.num_hidden_layers
+    spec = ARCH_SPECS[MODEL_TYPE.get(arch, arch)]
     expected = set()
     for name, _module in model.named_modules():
         leaf = name.rsplit(".", 1)[-1]
@@ -47,11 +49,13 @@ def test_coverage_every_target_module_is_patched(arch):
             expected.add((name, "rope"))
         if leaf == "mlp":
             expected.add((name, "swiglu"))
-        if leaf in ("input_layernorm", "post_attention_layernorm") or name == "model.norm":
+        if leaf in spec.layer_norms or name == "model.norm":
             expected.add((name, "rmsnorm"))
+    if spec.embed_forward is not None:  # Gemma 3: the stream starts unrounded at the scaled embedding
+        expected.add(("model.embed_tokens", "rmsnorm"))
     assert set(report.entries) == expected
-    assert len(report.modules("rmsnorm")) == 2 * n + 1
-    if ARCH_SPECS[arch].qk_norm:
+    assert len(report.modules("rmsnorm")) == len(spec.layer_norms) * n + 1 + (spec.embed_forward is not None)
+    if spec.qk_norm:
         assert len([p for p in report.modules("rope") if p.endswith(("q_norm", "k_norm"))]) == 2 * n
     # Every module whose computation changed carries an instance forward.
     for name, module in model.named_modules():
@@ -268,8 +272,39 @@ def test_phi3_fused_projections_partial_rotary_and_what_is_refused():
         apply_roundalign(broken)
 
 
+def test_gemma3_none_is_transformers_and_what_is_refused():
+    """Gemma 3: profile `none` on every region is transformers' `Gemma3ForCausalLM` bit for bit (the (1+w) norms, the
+    sandwich, GeGLU-tanh, the scaled embedding); the compiled profile keeps the stream in fp32 (it differs); profiles
+    not measured for Gemma 3, soft-capping and a missing post-feedforward norm raise naming what is supported."""
+    model = load("gemma3")
+    assert model.config.model_type == "gemma3_text"
+    assert model.config.layer_types == ["sliding_attention", "full_attention"]
+    assert any(not torch.all(layer.post_feedforward_layernorm.weight == 0) for layer in model.model.layers)
+    ids, mask = batch()
+    before = logits(model, ids, mask)
+    apply_roundalign(model, PAPER_REGIONS, profile="none", positions_from_mask=False)
+    assert torch.equal(logits(model, ids, mask), before)
+    apply_roundalign(model, PAPER_REGIONS, positions_from_mask=False)
+    assert not torch.equal(logits(model, ids, mask), before)
+    with torch.no_grad():
+        stream = model.model.embed_tokens(ids)
+    assert stream.dtype == torch.float32  # f(e) f(r(sqrt(h))), not rounded
+    revert_roundalign(model)
+    assert torch.equal(logits(model, ids, mask), before)
+    for profile in ("vllm-compiled-piecewise", "vllm-eager-cpu"):
+        with pytest.raises(ValueError, match=f"Profile '{profile}' was not measured for gemma3_text"):
+            apply_roundalign(model, PAPER_REGIONS, profile=profile)
+    model.config.final_logit_softcapping = 30.0
+    with pytest.raises(ValueError, match="final_logit_softcapping=30.0.*not measured"):
+        apply_roundalign(model)
+    model.config.final_logit_softcapping = None
+    del model.model.layers[1].post_feedforward_layernorm
+    with pytest.raises(ValueError, match=r"model.layers.1 .*post_feedforward_layernorm.*gemma3_text"):
+        apply_roundalign(model)
+
+
 @pytest.mark.vllm
-@pytest.mark.parametrize("arch", ["qwen3", "llama", "phi3"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "phi3", "gemma3"])
 def test_exact_mode_gradients_agree_with_three_regions(arch):
     """Exact mode swaps sdpa for the engine's attention forward (fp32-recomputed backward) and the reduction order;
     its gradients must stay within 3% (relative Frobenius norm, per parameter tensor) of the three-region mode's."""

