@@ -12,15 +12,19 @@ fp32 residual stream:
     s      = s + x̂(m) (1 + w_pff)                     post_feedforward_layernorm, not rounded, fp32 add
 
 and the stream starts as `f(e) f(r(sqrt(hidden)))`: the embedding times its bf16 scale, not rounded.
-transformers rounds every one of those values. The regions:
+transformers rounds every one of those values. vLLM's piecewise engine (graph split at attention, its CUDA
+default) computes the same, except that the stream crosses each split as bf16: it is rounded once per layer,
+after the input norm read the fp32 sum (`residual="layer"`, as for Llama), and the first layer's input norm
+sums the squares of the unrounded embedding product but normalises the product rounded to bf16 (the first
+piece stores it for the next one and reloads it). The regions:
 
 - `"rope"`: q/k-norm + RoPE as one region (`ops.gemma_qk_norm_rope`);
 - `"swiglu"` (the MLP activation region): GeGLU-tanh (`ops.geglu_tanh`);
 - `"rmsnorm"`: the stream above: the embedding, the decoder layers and the final norm;
 - `"attention"`: vLLM-CPU's kernel with the layer's window (sequences no longer than the window).
 
-Measured for the one-graph engine only (`vllm-compiled`, `vllm-compiled-exact`; `none` is transformers):
-the piecewise and eager engines were not read for Gemma 3, and are refused. Refused too, as not measured:
+Measured for the one-graph and the piecewise engine (`vllm-compiled[-piecewise][-exact]`; `none` is
+transformers); the eager engines were not read for Gemma 3 and are refused. Refused too, as not measured:
 attention or final logit soft-capping, RoPE scaling, bidirectional attention.
 """
 
@@ -37,7 +41,9 @@ __all__ = ["GEMMA3", "GEMMA3_LAYER_NORMS", "gemma3_default_lanes"]
 GEMMA3_LAYER_NORMS = (
     "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"
 )
-GEMMA3_PROFILES = ("none", "vllm-compiled", "vllm-compiled-exact")
+GEMMA3_PROFILES = (
+    "none", "vllm-compiled", "vllm-compiled-exact", "vllm-compiled-piecewise", "vllm-compiled-piecewise-exact",
+)
 
 
 def gemma3_attention_forward(
@@ -76,10 +82,10 @@ def gemma3_embed_forward(self, input_ids: torch.Tensor) -> torch.Tensor:
     return e.float() * scale.float()
 
 
-def _norm(module, x, st, name: str, *, keep_fp32: bool = False):
+def _norm(module, x, st, name: str, *, keep_fp32: bool = False, round_numerator: bool = False):
     return _as_forward_of(module, lambda t: ops.gemma_rms_norm(
         t, module.weight, module.eps, profile=st.profile, backend=st.backend,
-        reduction_lanes=st.lanes.get(name), keep_fp32=keep_fp32,
+        reduction_lanes=st.lanes.get(name), keep_fp32=keep_fp32, round_numerator=round_numerator,
     ), x)
 
 
@@ -107,8 +113,15 @@ def gemma3_decoder_layer_forward(
         # bf16 stream rounds it, and vLLM stores it in bf16: the same values.
         position_embeddings = tuple(t.to(dtype) for t in position_embeddings)
     keep = st.profile.residual != "round"
+    piecewise = st.profile.residual == "layer" and hidden_states.dtype == torch.float32
     s = hidden_states
-    normed = _norm(self.input_layernorm, s, st, "input_layernorm")
+    # Piecewise engine, first layer: the embedding product is stored in bf16 for the next piece; the norm's kernel
+    # sums the squares of the unrounded product but normalises the stored one.
+    first = piecewise and self.self_attn.layer_idx == 0
+    normed = _norm(self.input_layernorm, s, st, "input_layernorm", round_numerator=first)
+    if piecewise:
+        # The stream crosses the attention split as bf16 (the input norm read the fp32 sum).
+        s = s.to(dtype)
     attn_out, _ = self.self_attn(
         hidden_states=normed,
         position_embeddings=position_embeddings,

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ..profiles import Profile, get_profile
-from ._common import norm_backward_fp32, norm_forward_fp32, norm_lanes
+from ._common import norm_backward_fp32, norm_lanes, rms_rstd
 from .rope import _check_rope, _QkNormRopeRef, rope
 
 __all__ = ["gemma_qk_norm_rope", "gemma_rms_norm", "geglu_tanh"]
@@ -53,12 +53,17 @@ def _check(name: str, t: torch.Tensor, fp32_ok: bool = False) -> None:
 
 
 class _GemmaNormRef(torch.autograd.Function):
-    """`x̂ (f(w) + 1)` in fp32; rounded to `w`'s dtype unless `keep_fp32`."""
+    """`x̂ (f(w) + 1)` in fp32; rounded to `w`'s dtype unless `keep_fp32`. With `round_numerator` (an fp32 `x`), the
+    statistic is of `x` and the normalised values are `f(r(x))` (the piecewise engine's first layer); the backward
+    then treats that rounding as the identity."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps, lanes, keep_fp32):
+    def forward(ctx, x, weight, eps, lanes, keep_fp32, round_numerator=False):
         w1 = weight.float() + 1.0
-        y, rstd = norm_forward_fp32(x.float(), w1, eps, lanes)
+        xf = x.float()
+        rstd = rms_rstd(xf, eps, lanes)
+        num = xf.to(weight.dtype).float() if round_numerator else xf
+        y = (num * rstd) * w1
         ctx.save_for_backward(x, weight, rstd)
         return y if keep_fp32 else y.to(weight.dtype)
 
@@ -66,7 +71,7 @@ class _GemmaNormRef(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight, rstd = ctx.saved_tensors
         dx, dw = norm_backward_fp32(dy.float(), x.float(), weight.float() + 1.0, rstd)
-        return dx.to(x.dtype), dw.to(weight.dtype), None, None, None
+        return dx.to(x.dtype), dw.to(weight.dtype), None, None, None, None
 
 
 def _hf_gemma_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -86,6 +91,7 @@ def gemma_rms_norm(
     backend: str | None = None,
     reduction_lanes: int | None = None,
     keep_fp32: bool = False,
+    round_numerator: bool = False,
 ) -> torch.Tensor:
     """Gemma's RMSNorm `x̂ (1 + w)`.
 
@@ -99,6 +105,9 @@ def gemma_rms_norm(
         reduction_lanes: see `trl_roundalign.ops.rms_norm`.
         keep_fp32: return the fp32 product unrounded (the engine's post-attention / post-feedforward norms, whose
             output is added to the fp32 stream without rounding). Ignored under profile `"none"`.
+        round_numerator: with an fp32 `x`: the statistic of `x`, the normalised values of `r(x)` (the piecewise
+            engine's first input norm, whose kernel sums the unrounded embedding product's squares but normalises
+            the product it stored in bf16 for the next piece).
 
     Returns:
         `[..., hidden]` in `weight`'s dtype, or fp32 with `keep_fp32`.
@@ -110,7 +119,11 @@ def gemma_rms_norm(
     prof = _resolve(profile, backend)
     if prof.norm == "hf":
         return _hf_gemma_norm(x, weight, eps)
-    return _GemmaNormRef.apply(x, weight, float(eps), norm_lanes(prof, reduction_lanes), bool(keep_fp32))
+    if round_numerator and x.dtype != torch.float32:
+        raise TypeError("round_numerator applies to an fp32 stream x.")
+    return _GemmaNormRef.apply(
+        x, weight, float(eps), norm_lanes(prof, reduction_lanes), bool(keep_fp32), bool(round_numerator)
+    )
 
 
 def gemma_qk_norm_rope(
