@@ -45,9 +45,13 @@ def vllm_weight(trainer, name: str) -> torch.Tensor:
     return out[0]
 
 
-# Gemma 3 (its own layer, the (1+w) norms, the start-up check against its engine) under make test-full: make test
-# covers it at the model level against the engine (tests/models/test_gemma3_vllm.py).
-@pytest.fixture(scope="module", params=["qwen3", "qwen2", "llama", pytest.param("gemma3", marks=pytest.mark.full)])
+# make test trains Qwen3 (q/k-norm) and Llama; Qwen2 (Llama's layer with attention biases) and Gemma 3 (its own layer,
+# the (1+w) norms, the start-up check against its engine) run under make test-full. Gemma 3 is covered in make test at
+# the model level against both engines (tests/models/test_gemma3_vllm.py).
+@pytest.fixture(
+    scope="module",
+    params=["qwen3", "llama", pytest.param("qwen2", marks=pytest.mark.full), pytest.param("gemma3", marks=pytest.mark.full)],
+)
 def trained(request, tmp_path_factory):
     """3 steps on one tiny model; yields (trainer, watcher, initial weights, mismatch file)."""
     out = tmp_path_factory.mktemp(f"grpo-{request.param}")
