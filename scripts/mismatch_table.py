@@ -8,13 +8,13 @@ them under each condition (sdpa attention except in the exact mode), with the pr
 engine; `three_region@other` is the three regions under the other engine's profile. Statistics over
 completion tokens, against vLLM's prefill. The machine's CPU and vector ISA are recorded.
 
-A family whose profiles do not include the other engine's (Gemma 3: one-graph engine only) gets no `@other`
-rows, and no rows for an engine it was not measured on (a line says so).
+A family whose profiles do not include the other engine's gets no `@other` rows, no rows for an engine it was not
+measured on, and no exact row where it has no exact mode (Qwen3-MoE); a line under the table says so.
 
 Run: `make results` (or `.venv/bin/python scripts/mismatch_table.py [--models tiny-qwen3,smollm2-135m]
 [--engines whole,piecewise] [--out DIR] [--name mismatch_table]`). Writes DIR/NAME.{md,json} (default
-docs/results/mismatch_table); `make results` also writes the families table (`--models tiny-phi3,tiny-gemma3`,
-`--name families_table`).
+docs/results/mismatch_table); `make results` also writes the families table (`--models
+tiny-phi3,tiny-gemma3,peaked-qwen3-moe --name families_table`).
 """
 
 from __future__ import annotations
@@ -62,13 +62,16 @@ def main(argv=None) -> int:
             parser.error(f"unknown engine {engine!r}: use whole or piecewise")
         for name in [m.strip() for m in args.models.split(",") if m.strip()]:
             path = resolve_model(name)
-            measured = get_spec(AutoConfig.from_pretrained(path).model_type).profiles
+            spec = get_spec(AutoConfig.from_pretrained(path).model_type)
+            measured = spec.profiles
             if measured is not None and engine_profile[engine] not in measured:
                 skipped.append(f"{name}: no {engine} rows (profile {engine_profile[engine]} not measured for this family)")
                 continue
             llm = build_llm(path, piecewise=engine == "piecewise")
             profile = profile_for_engine(engine_info(llm))
-            conditions = build_conditions("regions", profile, exact=True)
+            conditions = build_conditions("regions", profile, exact=spec.no_exact is None)
+            if spec.no_exact is not None:
+                skipped.append(f"{name}: no exact row ({spec.no_exact})")
             with_other = measured is None or other[profile] in measured
             if with_other:
                 conditions.append(Condition("three_region@other", PAPER_REGIONS, other[profile]))

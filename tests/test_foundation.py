@@ -24,7 +24,7 @@ def test_tiny_model_builds_reloads_and_generates(arch, tmp_path):
     again = build_tiny_model(arch, tmp_path / f"{arch}-again", seed=3, num_hidden_layers=3, intermediate_size=200)
     model = AutoModelForCausalLM.from_pretrained(path)
     tok = AutoTokenizer.from_pretrained(path)
-    assert model.dtype == torch.bfloat16 and model.config.model_type == arch
+    assert model.dtype == torch.bfloat16 and model.config.model_type == {"gemma3": "gemma3_text"}.get(arch, arch)
     assert model.config.intermediate_size == 200 and model.config.num_hidden_layers == 3
     twin = AutoModelForCausalLM.from_pretrained(again)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), twin.state_dict().values()))
@@ -58,7 +58,9 @@ def test_smollm2_missing_packages_name_what_to_install(monkeypatch, tmp_path):
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("arch", SUPPORTED_TINY_ARCHS)
+# Not qwen3_moe: vLLM creates the expert-parallel group only when a process's first engine is an MoE, and this
+# fixture's engines live for the session (tests/models/test_qwen3_moe_vllm.py serves it in a fresh process).
+@pytest.mark.parametrize("arch", [a for a in SUPPORTED_TINY_ARCHS if a != "qwen3_moe"])
 def test_vllm_serves_each_tiny_model_with_logprobs(arch, engines):
     from vllm import SamplingParams
 

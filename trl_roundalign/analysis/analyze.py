@@ -162,7 +162,12 @@ def analyze(
     if per_layer and exact == "off":
         raise ValueError("--per-layer compares every layer with the exact mode: drop --exact off.")
     model_path = resolve_model(model)
-    check_architecture(model_path)
+    from ..models import get_spec
+
+    no_exact = get_spec(check_architecture(model_path)).no_exact
+    if no_exact is not None and (exact == "on" or per_layer):
+        what = "--per-layer compares every layer with the exact mode" if per_layer else "--exact on"
+        raise ValueError(f"{what}, which this model's family has none of: {no_exact} Use --exact auto (or off).")
     rows = read_prompts(prompts, column=prompt_column, split=split, n=num_prompts, seed=seed)
     own_engine = llm is None
     if own_engine:
@@ -171,7 +176,9 @@ def analyze(
         info = engine_info(llm)
         resolved = profile_for_engine(info) if profile == "auto" else get_profile(profile).name
         if exact == "auto":
-            use_exact = info.compiled and info.platform == "cpu" and resolved in ("vllm-compiled", "vllm-compiled-piecewise")
+            use_exact = no_exact is None and info.compiled and info.platform == "cpu" and resolved in (
+                "vllm-compiled", "vllm-compiled-piecewise"
+            )
         else:
             use_exact = exact == "on"
         if per_layer and not use_exact:

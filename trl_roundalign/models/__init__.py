@@ -13,6 +13,7 @@ import torch
 
 from . import gemma3 as _gemma3  # noqa: F401  (registers Gemma 3)
 from . import phi3 as _phi3  # noqa: F401  (registers Phi-3)
+from . import qwen3_moe as _qwen3_moe  # noqa: F401  (registers Qwen3-MoE)
 from .spec import ARCH_SPECS, ArchSpec, register_arch
 
 __all__ = ["ARCH_SPECS", "ArchSpec", "default_reduction_lanes", "find_backbone", "get_spec", "register_arch"]
@@ -71,9 +72,12 @@ def check_structure(backbone: torch.nn.Module, spec: ArchSpec) -> None:
             need(layer.self_attn, ("q_norm", "k_norm"), f"{p}.self_attn")
             need(layer.self_attn.q_norm, _NORM_ATTRS, f"{p}.self_attn.q_norm")
             need(layer.self_attn.k_norm, _NORM_ATTRS, f"{p}.self_attn.k_norm")
-        need(layer.mlp, spec.mlp_attrs, f"{p}.mlp")
         need(layer.input_layernorm, _NORM_ATTRS, f"{p}.input_layernorm")
         need(layer.post_attention_layernorm, _NORM_ATTRS, f"{p}.post_attention_layernorm")
+        if spec.mlp_check is not None:
+            spec.mlp_check(layer.mlp, f"{p}.mlp")
+            continue
+        need(layer.mlp, spec.mlp_attrs, f"{p}.mlp")
         act = getattr(layer.mlp, spec.act_attr)
         if not isinstance(act, torch.nn.SiLU) and type(act).__name__ not in ("SiLUActivation", "SiLU"):
             raise ValueError(f"{p}.mlp.{spec.act_attr} is {type(act).__name__}; the SwiGLU region needs silu.")

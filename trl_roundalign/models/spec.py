@@ -38,6 +38,11 @@ class ArchSpec:
     structure_check: Callable | None = None
     profiles: tuple[str, ...] | None = None
     default_lanes: Callable | None = None
+    # A check of each layer's MLP replacing the SwiGLU one (`mlp_attrs`/`act_attr`), for a family whose MLP varies by
+    # layer (Qwen3-MoE's sparse blocks and dense layers): `mlp_check(mlp, path)` raises ValueError.
+    mlp_check: Callable | None = None
+    # Why the family has no exact mode, where it has none (the message `apply_roundalign` raises for `*-exact`).
+    no_exact: str | None = None
 
 
 ARCH_SPECS: dict[str, ArchSpec] = {}
