@@ -2,7 +2,7 @@
 
 Public API (imported lazily: importing the package starts neither vLLM nor TRL):
 
-- `apply_roundalign`, `revert_roundalign`, `PatchReport`: patch Qwen2/Qwen3/Llama/Mistral models.
+- `apply_roundalign`, `revert_roundalign`, `PatchReport`: patch models of the registered families (`models.ARCH_SPECS`).
 - `RoundAlignGRPOTrainer`, `RoundAlignGRPOConfig`, `MismatchCallback`: the TRL front door.
 - `trl_roundalign.ops`: the aligned regions (Triton kernels and exact PyTorch references).
 - `trl_roundalign.profiles`: the rounding contract.

@@ -124,7 +124,7 @@ def apply_roundalign(
     """Install the aligned regions into `model` in place.
 
     Args:
-        model: a loaded Llama/Mistral/Qwen2/Qwen3/Phi-3/Gemma 3 CausalLM (or PeftModel around one, or the decoder
+        model: a loaded Llama/Mistral/Qwen2/Qwen3/Phi-3/Gemma 3/Qwen3-MoE CausalLM (or PeftModel around one, or the decoder
             model itself), in bf16 or fp16.
         regions: any subset of `"rope"`, `"swiglu"`, `"rmsnorm"`, `"attention"`; `()` installs nothing.
             For Qwen3 `"rope"` covers the q/k-norm + RoPE region. `"attention"` (exact mode) needs

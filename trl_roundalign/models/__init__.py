@@ -54,7 +54,7 @@ def check_structure(backbone: torch.nn.Module, spec: ArchSpec) -> None:
         if missing:
             raise ValueError(
                 f"{path} ({type(obj).__name__}) lacks {missing}: this {spec.model_type} model does not have the "
-                "structure trl_roundalign patches (transformers 5.17 Llama/Mistral/Qwen2/Qwen3/Phi-3 modules)."
+                "structure trl_roundalign patches (transformers 5.17 Llama/Mistral/Qwen2/Qwen3/Phi-3/Qwen3-MoE modules)."
             )
 
     if spec.structure_check is not None:
