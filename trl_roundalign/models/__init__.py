@@ -14,7 +14,7 @@ import torch
 from . import gemma3 as _gemma3  # noqa: F401  (registers Gemma 3)
 from . import phi3 as _phi3  # noqa: F401  (registers Phi-3)
 from . import qwen3_moe as _qwen3_moe  # noqa: F401  (registers Qwen3-MoE)
-from .spec import ARCH_SPECS, ArchSpec, register_arch
+from .spec import ARCH_SPECS, ArchSpec, register_arch, require_attrs
 
 __all__ = ["ARCH_SPECS", "ArchSpec", "default_reduction_lanes", "find_backbone", "get_spec", "register_arch"]
 
@@ -50,12 +50,7 @@ def check_structure(backbone: torch.nn.Module, spec: ArchSpec) -> None:
     """Raise `ValueError` naming the first module that lacks what the aligned forwards need."""
 
     def need(obj, attrs, path):
-        missing = [a for a in attrs if not hasattr(obj, a)]
-        if missing:
-            raise ValueError(
-                f"{path} ({type(obj).__name__}) lacks {missing}: this {spec.model_type} model does not have the "
-                "structure trl_roundalign patches (transformers 5.17 Llama/Mistral/Qwen2/Qwen3/Phi-3/Qwen3-MoE modules)."
-            )
+        require_attrs(obj, attrs, path, f"{spec.model_type} (transformers 5.17 Llama/Mistral/Qwen2/Qwen3/Phi-3/Qwen3-MoE modules)")
 
     if spec.structure_check is not None:
         spec.structure_check(backbone, spec)

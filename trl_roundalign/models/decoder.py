@@ -73,16 +73,18 @@ def aligned_attention_forward(
     position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
     attention_mask: torch.Tensor | None = None,
     past_key_values=None,
+    qk_norm_rope=ops.qk_norm_rope,
     **kwargs,
 ):
-    """Llama/Qwen2/Qwen3/Mistral attention with aligned RoPE (and q/k-norm) and optional engine attention."""
+    """Llama/Qwen2/Qwen3/Mistral (and Gemma 3, with its `qk_norm_rope`) attention with aligned RoPE (and q/k-norm) and
+    optional engine attention; a layer's `sliding_window` goes to the attention function."""
     hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
     q = self.q_proj(hidden_states).view(hidden_shape)
     k = self.k_proj(hidden_states).view(hidden_shape)
     v = self.v_proj(hidden_states).view(hidden_shape)
     return attend(
         self, q, k, v, position_embeddings, attention_mask, past_key_values,
-        sliding_window=getattr(self, "sliding_window", None), **kwargs,
+        sliding_window=getattr(self, "sliding_window", None), qk_norm_rope=qk_norm_rope, **kwargs,
     )
 
 

@@ -33,8 +33,8 @@ from __future__ import annotations
 import torch
 
 from .. import ops
-from .decoder import _as_forward_of, _state, attend
-from .spec import ArchSpec, register_arch
+from .decoder import _as_forward_of, _state, aligned_attention_forward
+from .spec import ArchSpec, register_arch, require_attrs
 
 __all__ = ["GEMMA3", "GEMMA3_LAYER_NORMS", "gemma3_default_lanes"]
 
@@ -46,23 +46,9 @@ GEMMA3_PROFILES = (
 )
 
 
-def gemma3_attention_forward(
-    self,
-    hidden_states: torch.Tensor,
-    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-    attention_mask: torch.Tensor | None = None,
-    past_key_values=None,
-    **kwargs,
-):
-    """`Gemma3Attention` with the `(1 + w)` q/k-norm + RoPE region and the layer's window."""
-    hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
-    q = self.q_proj(hidden_states).view(hidden_shape)
-    k = self.k_proj(hidden_states).view(hidden_shape)
-    v = self.v_proj(hidden_states).view(hidden_shape)
-    return attend(
-        self, q, k, v, position_embeddings, attention_mask, past_key_values,
-        sliding_window=self.sliding_window, qk_norm_rope=ops.gemma_qk_norm_rope, **kwargs,
-    )
+def gemma3_attention_forward(self, *args, **kwargs):
+    """`Gemma3Attention`: the shared aligned attention with the `(1 + w)` q/k-norm + RoPE region and the layer's window."""
+    return aligned_attention_forward(self, *args, qk_norm_rope=ops.gemma_qk_norm_rope, **kwargs)
 
 
 def gemma3_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -171,12 +157,7 @@ def check_gemma3_structure(backbone: torch.nn.Module, spec: ArchSpec) -> None:
     """Raise `ValueError` naming the first module that lacks what the Gemma 3 forwards read."""
 
     def need(obj, attrs, path):
-        missing = [a for a in attrs if not hasattr(obj, a)]
-        if missing:
-            raise ValueError(
-                f"{path} ({type(obj).__name__}) lacks {missing}: this model does not have the structure trl_roundalign "
-                "patches for gemma3_text (transformers 5.17 Gemma3ForCausalLM)."
-            )
+        require_attrs(obj, attrs, path, "gemma3_text (transformers 5.17 Gemma3ForCausalLM)")
 
     check_gemma3_config(getattr(backbone, "config", None))
     need(backbone, ("embed_tokens", "layers", "norm", "rotary_emb"), "model")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["ARCH_SPECS", "ArchSpec", "register_arch"]
+__all__ = ["ARCH_SPECS", "ArchSpec", "register_arch", "require_attrs"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,16 @@ class ArchSpec:
 
 
 ARCH_SPECS: dict[str, ArchSpec] = {}
+
+
+def require_attrs(obj, attrs, path: str, family: str) -> None:
+    """Raise `ValueError` naming `path` and what it lacks, when `obj` lacks any of `attrs`."""
+    missing = [a for a in attrs if not hasattr(obj, a)]
+    if missing:
+        raise ValueError(
+            f"{path} ({type(obj).__name__}) lacks {missing}: this model does not have the structure trl_roundalign "
+            f"patches for {family}."
+        )
 
 
 def register_arch(spec: ArchSpec) -> ArchSpec:
