@@ -49,6 +49,7 @@ def main(argv=None) -> int:
 
     from trl_roundalign.analysis.analyze import _fmt
     from trl_roundalign.analysis.compare import Condition, build_conditions, compare_with_engine
+    from trl_roundalign.analysis.engine_process import run_engine_in_process
     from trl_roundalign.engine import build_llm, close_llm, cpu_vector_isa, engine_info, profile_for_engine
     from trl_roundalign.local_models import resolve_model
     from trl_roundalign.models import get_spec
@@ -67,8 +68,16 @@ def main(argv=None) -> int:
             if measured is not None and engine_profile[engine] not in measured:
                 skipped.append(f"{name}: no {engine} rows (profile {engine_profile[engine]} not measured for this family)")
                 continue
-            llm = build_llm(path, piecewise=engine == "piecewise")
-            profile = profile_for_engine(engine_info(llm))
+            if spec.engine_in_process:
+                llm = build_llm(path, piecewise=engine == "piecewise")
+                info = engine_info(llm)
+            else:  # vLLM's Transformers backend (OLMo 2): the engine runs in a child process
+                llm = run_engine_in_process(
+                    path, engine_kwargs={"piecewise": engine == "piecewise"}, seed=0, num_prompts=4,
+                    samples_per_prompt=4, max_new_tokens=64,
+                )
+                info = llm.info
+            profile = profile_for_engine(info)
             conditions = build_conditions("regions", profile, exact=spec.no_exact is None)
             if spec.no_exact is not None:
                 skipped.append(f"{name}: no exact row ({spec.no_exact})")
@@ -88,7 +97,8 @@ def main(argv=None) -> int:
             for floor, s in comp.floors.items():
                 rows.append({"model": name, "engine": engine, "condition": f"floor:{floor}", "regions": [], "profile": "engine", **s})
             print(f"{engine} {name}: done ({time.time() - started:.0f} s)", file=sys.stderr)
-            close_llm(llm)
+            if spec.engine_in_process:
+                close_llm(llm)
 
     head = "| model | engine | condition | profile | k3 | mean \\|Δ\\| | max \\|Δ\\| | bit-identical | tokens |"
     lines = [head, "|---|---|---|---|---|---|---|---|---|"]

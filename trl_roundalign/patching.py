@@ -187,7 +187,7 @@ def apply_roundalign(
 
     report = PatchReport(model_type, regions, prof.name, backend, positions_from_mask=positions_from_mask)
     layers = list(backbone.layers)
-    order = norm_order(len(layers), spec.qk_norm, spec.layer_norms)
+    order = norm_order(len(layers), spec.qk_norm, spec.layer_norms, spec.qk_norm_first)
     lanes_by_norm: dict[str, int | None] = {}
     if prof.reduction == "inductor-cpu" and ("rmsnorm" in regions or ("rope" in regions and spec.qk_norm)):
         if lanes_tuple is None:
@@ -235,6 +235,9 @@ def apply_roundalign(
             lanes = {n: lanes_by_norm.get(f"layers.{i}.{n}") for n in spec.layer_norms}
             _bind(layer, spec.layer_forward or aligned_decoder_layer_forward, state(lanes), installed)
             report.entries += [(f"{p}.{n}", "rmsnorm") for n in spec.layer_norms]
+    if "rope" in regions and spec.rotary_forward is not None and prof.reduction == "inductor-cpu":
+        _bind(backbone.rotary_emb, spec.rotary_forward, state(), installed)
+        report.entries.append(("model.rotary_emb", "rope"))
     if "rmsnorm" in regions:
         if spec.embed_forward is not None:
             _bind(backbone.embed_tokens, spec.embed_forward, state(), installed)

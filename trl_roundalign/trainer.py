@@ -124,6 +124,21 @@ def _server_client(args):
     return gloo_client()
 
 
+def _model_type_of(model) -> str | None:
+    """`config.model_type` of a model object or checkpoint name, without loading weights (None where unknown)."""
+    config = getattr(model, "config", None)
+    if config is not None:
+        return getattr(config, "model_type", None)
+    if isinstance(model, str):
+        try:
+            from transformers import AutoConfig
+
+            return AutoConfig.from_pretrained(model).model_type
+        except (OSError, ValueError):
+            return None
+    return None
+
+
 class RoundAlignGRPOTrainer(GRPOTrainer):
     """GRPO with rounding alignment; accepts exactly what `trl.GRPOTrainer` accepts.
 
@@ -261,6 +276,18 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
                 "model_init_kwargs['use_kernels']=True swaps in Hub kernels that round differently from the engine. "
                 "Remove it; the aligned regions bring their own kernels."
             )
+        if args.use_vllm and args.vllm_mode == "colocate":
+            model_type = _model_type_of(model)
+            from .models import ARCH_SPECS
+
+            spec = ARCH_SPECS.get(model_type or "")
+            if spec is not None and not spec.engine_in_process:
+                raise ValueError(
+                    f"{model_type} cannot train with a colocated engine: vLLM runs it through its Transformers backend, "
+                    "which rewires the model's transformers class when the engine is built, so the policy in the same "
+                    "process can no longer run its forward (docs/families.md). Use vllm_mode='server' (an engine in its "
+                    "own process; not yet run with trl_roundalign for this family)."
+                )
         if args.roundalign_regions and not args.use_vllm:
             raise ValueError(
                 "Rounding alignment aligns the trainer with a vLLM engine; set use_vllm=True (colocate or server), or "

@@ -11,7 +11,7 @@ from trl_roundalign.local_models import tiny_model
 from trl_roundalign.models import ARCH_SPECS, default_reduction_lanes, norm_order
 from trl_roundalign.profiles import ALL_REGIONS, PAPER_REGIONS
 
-ARCHS = ("qwen2", "qwen3", "llama", "phi3", "gemma3", "qwen3_moe")
+ARCHS = ("qwen2", "qwen3", "llama", "phi3", "gemma3", "qwen3_moe", "olmo2")
 MODEL_TYPE = {"gemma3": "gemma3_text"}
 
 

@@ -164,16 +164,36 @@ def analyze(
     model_path = resolve_model(model)
     from ..models import get_spec
 
-    no_exact = get_spec(check_architecture(model_path)).no_exact
+    spec = get_spec(check_architecture(model_path))
+    no_exact = spec.no_exact
     if no_exact is not None and (exact == "on" or per_layer):
         what = "--per-layer compares every layer with the exact mode" if per_layer else "--exact on"
         raise ValueError(f"{what}, which this model's family has none of: {no_exact} Use --exact auto (or off).")
     rows = read_prompts(prompts, column=prompt_column, split=split, n=num_prompts, seed=seed)
-    own_engine = llm is None
+    run = None
+    if not spec.engine_in_process:
+        # vLLM's Transformers backend rewires this family's transformers class when it builds an engine: the engine
+        # runs in a child process, the Hugging Face model here (compare.EngineRun).
+        if llm is not None:
+            raise ValueError(
+                f"{spec.model_type} models cannot be scored in a process that holds a vLLM engine (vLLM runs them "
+                "through its Transformers backend, which rewires the model class): call analyze without llm=."
+            )
+        from transformers import AutoTokenizer
+
+        from .engine_process import run_engine_in_process
+
+        prompt_ids = tokenize_prompts(rows, AutoTokenizer.from_pretrained(model_path))
+        run = run_engine_in_process(
+            model_path, engine_kwargs=engine_kwargs, seed=seed, prompts=prompt_ids,
+            samples_per_prompt=samples_per_prompt, max_new_tokens=max_new_tokens, temperature=temperature,
+            floors=floors,
+        )
+    own_engine = llm is None and run is None
     if own_engine:
         llm = build_llm(model_path, seed=seed, **(engine_kwargs or {}))
     try:
-        info = engine_info(llm)
+        info = run.info if run is not None else engine_info(llm)
         resolved = profile_for_engine(info) if profile == "auto" else get_profile(profile).name
         if exact == "auto":
             use_exact = no_exact is None and info.compiled and info.platform == "cpu" and resolved in (
@@ -188,10 +208,11 @@ def analyze(
                 f"{resolved}; exact {exact}): use vLLM-CPU in its default compiled mode and --exact auto."
             )
         conds = build_conditions(conditions, resolved, exact=use_exact)
-        prompt_ids = tokenize_prompts(rows, llm.get_tokenizer())
+        if run is None:
+            prompt_ids = tokenize_prompts(rows, llm.get_tokenizer())
         comp = compare_with_engine(
             model_path,
-            llm,
+            run if run is not None else llm,
             conds,
             prompts=prompt_ids,
             samples_per_prompt=samples_per_prompt,

@@ -20,10 +20,13 @@ __all__ = [
     "CONDITION_SETS",
     "apply_condition",
     "Condition",
+    "EngineRun",
     "build_conditions",
+    "compare_engine_run",
     "completion_matrix",
     "condition_stats",
     "region_contributions",
+    "run_engine",
     "score_conditions",
 ]
 
@@ -207,6 +210,95 @@ def chat_prompts(tokenizer, n: int, *, seed: int = 0) -> list[list[int]]:
     return out
 
 
+@dataclass
+class EngineRun:
+    """What the engine side of a comparison produced: the samples, vLLM's prefill log-probs of them (batched, and
+    one at a time for the floor, when measured), the engine's description, its reduction lanes (read when it is
+    a compiled CPU engine) and its KV block size. Picklable: a separate engine process returns one."""
+
+    samples: list[Sample]
+    prefill: list[torch.Tensor]
+    single: list[torch.Tensor] | None
+    info: object
+    lanes: list[int] | None
+    lanes_error: str | None
+    block_size: int
+
+
+def run_engine(
+    llm,
+    *,
+    prompts: Sequence[Sequence[int]] | None = None,
+    num_prompts: int = 4,
+    samples_per_prompt: int = 2,
+    max_new_tokens: int = 48,
+    temperature: float = 1.0,
+    seed: int = 0,
+    floors: bool = True,
+) -> EngineRun:
+    """The engine side of `compare_with_engine`: generate with `llm` and score the samples with its prefill."""
+    from ..engine import engine_info, inductor_reduction_lanes
+    from .scoring import generate_samples, vllm_prefill_logprobs
+
+    if prompts is None:
+        prompts = chat_prompts(llm.get_tokenizer(), num_prompts, seed=seed)
+    samples = generate_samples(llm, prompts, n=samples_per_prompt, max_tokens=max_new_tokens, temperature=temperature, seed=seed)
+    samples = [s for s in samples if s.completion_ids]
+    if not samples:
+        raise RuntimeError("vLLM generated no completion tokens; raise max_new_tokens or change the prompts.")
+    seqs = [s.token_ids for s in samples]
+    prefill = vllm_prefill_logprobs(llm, seqs)
+    single = vllm_prefill_logprobs(llm, seqs, one_at_a_time=True) if floors else None
+    info = engine_info(llm)
+    lanes, lanes_error = None, None
+    if info.compiled and info.platform == "cpu":
+        try:
+            lanes = inductor_reduction_lanes(llm)
+        except (FileNotFoundError, ValueError) as e:
+            lanes_error = str(e)
+    block = llm.llm_engine.vllm_config.cache_config.block_size
+    return EngineRun(samples, prefill, single, info, lanes, lanes_error, int(block))
+
+
+def compare_engine_run(
+    model_path,
+    run: EngineRun,
+    conditions: Sequence[Condition],
+    *,
+    per_layer: bool = False,
+    progress: bool = False,
+) -> Comparison:
+    """The training side of `compare_with_engine`: score `run`'s samples under each condition, with the statistics."""
+    samples, prefill = run.samples, run.prefill
+    lanes = None
+    if any(get_profile(c.profile).reduction == "inductor-cpu" for c in conditions):
+        if not run.info.compiled or run.info.platform != "cpu":
+            raise ValueError("The exact condition reproduces vLLM-CPU's compiled engine; this engine is not one.")
+        if run.lanes is None:
+            raise ValueError(f"The engine's reduction lanes could not be read: {run.lanes_error}")
+        lanes = run.lanes
+    train = score_conditions(
+        model_path, samples, conditions, reduction_lanes=lanes, attention_block_size=run.block_size, progress=progress
+    )
+    stats = condition_stats(samples, train, prefill)
+    floor_stats: dict[str, dict[str, float]] = {}
+    if run.single is not None:
+        pre, mask = completion_matrix(samples, prefill)
+        samp, _ = completion_matrix(samples, None)
+        single, _ = completion_matrix(samples, run.single)
+        floor_stats["sampler_vs_prefill"] = metrics.token_stats(pre, samp, mask)
+        floor_stats["single_vs_batched_prefill"] = metrics.token_stats(single, pre, mask)
+    layer_rows = None
+    if per_layer:
+        from .per_layer import per_layer_differences
+
+        layer_rows = per_layer_differences(
+            model_path, [s.token_ids for s in samples], conditions, reduction_lanes=lanes,
+            attention_block_size=run.block_size, progress=progress,
+        )
+    return Comparison(str(model_path), list(conditions), samples, prefill, train, stats, floor_stats, lanes, layer_rows)
+
+
 def compare_with_engine(
     model_path,
     llm,
@@ -228,41 +320,10 @@ def compare_with_engine(
     side can match) and against the sampler's decode-time log-probs (what the RL loss sees). The
     engine's own floors are measured too: sampler vs prefill, and one-at-a-time vs batched prefill. With
     `per_layer`, each condition's values after every layer are compared with the exact mode's (`per_layer.py`).
+    `llm` may also be an `EngineRun` (from `run_engine`, e.g. in a separate engine process).
     """
-    from ..engine import engine_info, inductor_reduction_lanes
-    from .scoring import generate_samples, vllm_prefill_logprobs
-
-    if prompts is None:
-        prompts = chat_prompts(llm.get_tokenizer(), num_prompts, seed=seed)
-    samples = generate_samples(llm, prompts, n=samples_per_prompt, max_tokens=max_new_tokens, temperature=temperature, seed=seed)
-    samples = [s for s in samples if s.completion_ids]
-    if not samples:
-        raise RuntimeError("vLLM generated no completion tokens; raise max_new_tokens or change the prompts.")
-    seqs = [s.token_ids for s in samples]
-    prefill = vllm_prefill_logprobs(llm, seqs)
-    lanes = None
-    if any(get_profile(c.profile).reduction == "inductor-cpu" for c in conditions):
-        info = engine_info(llm)
-        if not info.compiled or info.platform != "cpu":
-            raise ValueError("The exact condition reproduces vLLM-CPU's compiled engine; this engine is not one.")
-        lanes = inductor_reduction_lanes(llm)
-    block = llm.llm_engine.vllm_config.cache_config.block_size
-    train = score_conditions(
-        model_path, samples, conditions, reduction_lanes=lanes, attention_block_size=block, progress=progress
+    run = llm if isinstance(llm, EngineRun) else run_engine(
+        llm, prompts=prompts, num_prompts=num_prompts, samples_per_prompt=samples_per_prompt,
+        max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, floors=floors,
     )
-    stats = condition_stats(samples, train, prefill)
-    floor_stats: dict[str, dict[str, float]] = {}
-    if floors:
-        pre, mask = completion_matrix(samples, prefill)
-        samp, _ = completion_matrix(samples, None)
-        single, _ = completion_matrix(samples, vllm_prefill_logprobs(llm, seqs, one_at_a_time=True))
-        floor_stats["sampler_vs_prefill"] = metrics.token_stats(pre, samp, mask)
-        floor_stats["single_vs_batched_prefill"] = metrics.token_stats(single, pre, mask)
-    layer_rows = None
-    if per_layer:
-        from .per_layer import per_layer_differences
-
-        layer_rows = per_layer_differences(
-            model_path, seqs, conditions, reduction_lanes=lanes, attention_block_size=block, progress=progress
-        )
-    return Comparison(str(model_path), list(conditions), samples, prefill, train, stats, floor_stats, lanes, layer_rows)
+    return compare_engine_run(model_path, run, conditions, per_layer=per_layer, progress=progress)

@@ -4,7 +4,8 @@ Llama, Mistral, Qwen2 and Qwen3 share one decoder structure (pre-norm, RoPE neox
 RMSNorm); a spec names what differs (Qwen3's per-head q/k-norm) and what a module must have for
 the aligned forwards in `decoder.py` to be exact replacements. Phi-3 (`phi3.py`) has the same math
 with fused projections and partial rotary: its spec names its own attention and MLP forwards. Gemma 3
-(`gemma3.py`) has its own layer (sandwich norms, `(1 + w)` norms, GeGLU-tanh) and names all of its forwards.
+(`gemma3.py`) has its own layer (sandwich norms, `(1 + w)` norms, GeGLU-tanh) and names all of its forwards;
+so does OLMo 2 (`olmo2.py`: post-norm layers, whole-projection q/k-norm).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from . import gemma3 as _gemma3  # noqa: F401  (registers Gemma 3)
+from . import olmo2 as _olmo2  # noqa: F401  (registers OLMo 2)
 from . import phi3 as _phi3  # noqa: F401  (registers Phi-3)
 from . import qwen3_moe as _qwen3_moe  # noqa: F401  (registers Qwen3-MoE)
 from .spec import ARCH_SPECS, ArchSpec, register_arch, require_attrs
@@ -79,15 +81,22 @@ def check_structure(backbone: torch.nn.Module, spec: ArchSpec) -> None:
 
 
 def norm_order(
-    num_layers: int, qk_norm: bool, layer_norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
+    num_layers: int,
+    qk_norm: bool,
+    layer_norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm"),
+    qk_norm_first: bool = False,
 ) -> list[str]:
     """The RMSNorms of a forward, in the order the engine's graph runs them: per layer the first of `layer_norms`,
-    the q/k-norms, the rest; then the final norm."""
+    the q/k-norms, the rest (with `qk_norm_first`, a post-norm layer's: the q/k-norms, then `layer_norms`); then the
+    final norm."""
     order = []
     for i in range(num_layers):
+        qk = [f"layers.{i}.self_attn.q_norm", f"layers.{i}.self_attn.k_norm"] if qk_norm else []
+        if qk_norm_first:
+            order += qk + [f"layers.{i}.{n}" for n in layer_norms]
+            continue
         order.append(f"layers.{i}.{layer_norms[0]}")
-        if qk_norm:
-            order += [f"layers.{i}.self_attn.q_norm", f"layers.{i}.self_attn.k_norm"]
+        order += qk
         order += [f"layers.{i}.{n}" for n in layer_norms[1:]]
     order.append("norm")
     return order

@@ -105,8 +105,6 @@ def attend(
     model's, partial rotary when cos/sin are narrower than the head), the KV cache, attention (the engine's
     kernel under region `"attention"`), `o_proj`. Shared by every family's attention forward; `qk_norm_rope` is the
     fused q/k-norm + RoPE region of families with q/k-norms (Gemma 3 passes its `(1 + w)` form)."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
     st = _state(self)
     prof, backend = st.profile, st.backend
     input_shape = q.shape[:-2]
@@ -137,6 +135,28 @@ def attend(
         q = ops.rope(q, cos.unsqueeze(1), sin.unsqueeze(1), profile="none")
         k = ops.rope(k, cos.unsqueeze(1), sin.unsqueeze(1), profile="none")
 
+    return attention_core(
+        self, q, k, v, attention_mask, past_key_values, input_shape, sliding_window=sliding_window, **kwargs
+    )
+
+
+def attention_core(
+    self,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    past_key_values,
+    input_shape,
+    *,
+    sliding_window: int | None = None,
+    **kwargs,
+):
+    """The attention forward after RoPE (`q`, `k`, `v` as `[B, heads, T, head_dim]`): the KV cache, attention (the
+    engine's kernel under region `"attention"`, full forwards only), `o_proj`."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    st = _state(self)
     if past_key_values is not None:
         k, v = past_key_values.update(k, v, self.layer_idx)
 
