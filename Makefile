@@ -37,6 +37,7 @@ bench: setup
 results: setup
 	$(PY) scripts/mismatch_table.py
 	$(PY) scripts/mismatch_table.py --models tiny-phi3,tiny-gemma3,peaked-qwen3-moe --name families_table
+	$(PY) scripts/mismatch_table.py --models peaked-olmo2 --name olmo2_table
 
 lint: setup
 	$(PY) -m ruff check trl_roundalign tests bench recipes scripts

@@ -30,6 +30,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("vLLM engine")
     g.add_argument("--enforce-eager", action="store_true", help="vLLM's eager engine (custom ops, no compile).")
     g.add_argument(
+        "--piecewise",
+        action="store_true",
+        help="Compile the way vLLM does on CUDA (graph split at attention); vLLM-CPU's default is one graph.",
+    )
+    g.add_argument(
         "--custom-ops",
         default=None,
         help="vLLM compilation_config.custom_ops, comma separated (e.g. '+rms_norm,+silu_and_mul' or 'all').",
@@ -126,7 +131,9 @@ def cmd_env(args) -> int:
         from .engine import build_llm, close_llm, engine_info, engine_kwargs_from, profile_for_engine
         from .local_models import tiny_model
 
-        kw = engine_kwargs_from(args.enforce_eager, args.max_model_len, args.gpu_memory_utilization, args.custom_ops)
+        kw = engine_kwargs_from(
+            args.enforce_eager, args.max_model_len, args.gpu_memory_utilization, args.custom_ops, args.piecewise
+        )
         llm = build_llm(tiny_model("qwen3"), use_tqdm_on_load=args.verbose, **kw)
         info = engine_info(llm)
         close_llm(llm)

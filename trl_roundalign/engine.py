@@ -57,9 +57,19 @@ def engine_kwargs_from(
     max_model_len: int | None = None,
     gpu_memory_utilization: float | None = None,
     custom_ops: str | None = None,
+    piecewise: bool = False,
 ) -> dict:
-    """`vllm.LLM` keyword arguments for the CLI's engine options (`--enforce-eager`, `--custom-ops a,b`, ...)."""
+    """`build_llm` keyword arguments for the CLI's engine options (`--enforce-eager`, `--piecewise`,
+    `--custom-ops a,b`, ...).
+
+    Raises:
+        ValueError: `--piecewise` with `--enforce-eager` (a piecewise engine is a compiled one).
+    """
+    if piecewise and enforce_eager:
+        raise ValueError("--piecewise compiles the model in pieces; it cannot be combined with --enforce-eager.")
     kw: dict = {"enforce_eager": bool(enforce_eager), "max_model_len": max_model_len}
+    if piecewise:
+        kw["piecewise"] = True
     if gpu_memory_utilization is not None:
         kw["gpu_memory_utilization"] = gpu_memory_utilization
     if custom_ops:
@@ -518,6 +528,9 @@ def reduction_lanes_in(code: str, *, vector_floats: int | None = None) -> list[i
     return lanes
 
 
+_ROTATE_HALF_RE = re.compile(r"^cpp_fused_\w*_cat_\w*_neg_\w*rsqrt", re.M)
+
+
 def _inductor_modules(inductor_dir: str | os.PathLike) -> list[str]:
     files = glob.glob(os.path.join(str(inductor_dir), "**", "*.py"), recursive=True)
     out = []
@@ -584,9 +597,11 @@ def inductor_reduction_lanes(llm_or_cache_dir, *, num_layers: int | None = None)
         return _module_lanes(max(modules, key=len), vector_floats)
     if num_layers is None:
         num_layers = int(llm_or_cache_dir.llm_engine.model_config.hf_config.num_hidden_layers)
+    # The middle pieces hold the next layer's RoPE: an index into the cos/sin cache (native models), or, for a model
+    # run through vLLM's Transformers backend (OLMo 2), `rotate_half`'s negation fused into the q/k-norm kernel.
     first = [m for m in modules if "embedding" in m]
-    last = [m for m in modules if "embedding" not in m and "index_select" not in m]
-    middle = [m for m in modules if "embedding" not in m and "index_select" in m]
+    middle = [m for m in modules if "embedding" not in m and ("index_select" in m or _ROTATE_HALF_RE.search(m))]
+    last = [m for m in modules if "embedding" not in m and m not in middle]
     if len(first) != 1 or len(last) != 1 or (num_layers > 1 and not middle):
         raise ValueError(
             f"Piecewise compile cache under {path}: expected one first piece (embedding), one last piece and shared "

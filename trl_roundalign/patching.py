@@ -187,7 +187,10 @@ def apply_roundalign(
 
     report = PatchReport(model_type, regions, prof.name, backend, positions_from_mask=positions_from_mask)
     layers = list(backbone.layers)
-    order = norm_order(len(layers), spec.qk_norm, spec.layer_norms, spec.qk_norm_first)
+    if spec.piecewise_norm_order is not None and prof.residual == "layer":
+        order = spec.piecewise_norm_order(len(layers))
+    else:
+        order = norm_order(len(layers), spec.qk_norm, spec.layer_norms, spec.qk_norm_first)
     lanes_by_norm: dict[str, int | None] = {}
     if prof.reduction == "inductor-cpu" and ("rmsnorm" in regions or ("rope" in regions and spec.qk_norm)):
         if lanes_tuple is None:

@@ -155,6 +155,7 @@ def test_cli_bad_input(tmp_path):
     assert_one_line_error(run_cli("analyze", tiny, "--num-prompts", "0"), "at least 1")
     assert_one_line_error(run_cli("analyze", tiny, "--profile", "fast"), "known profiles")
     assert_one_line_error(run_cli("analyze", tiny, "--per-layer", "--exact", "off"), "--per-layer .* exact mode")
+    assert_one_line_error(run_cli("analyze", tiny, "--piecewise", "--enforce-eager"), "--piecewise .* --enforce-eager")
 
 
 def test_cli_env():

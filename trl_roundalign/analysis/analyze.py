@@ -437,7 +437,9 @@ def _plots(summary: dict, comp: Comparison, out: Path) -> None:
 def run_analyze_cli(args) -> int:
     from ..engine import engine_kwargs_from
 
-    kw = engine_kwargs_from(args.enforce_eager, args.max_model_len, args.gpu_memory_utilization, args.custom_ops)
+    kw = engine_kwargs_from(
+        args.enforce_eager, args.max_model_len, args.gpu_memory_utilization, args.custom_ops, args.piecewise
+    )
     kw["use_tqdm_on_load"] = bool(getattr(args, "verbose", False))  # the weight-loading bar: --verbose only
     summary = analyze(
         args.model,

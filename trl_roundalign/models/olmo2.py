@@ -21,8 +21,11 @@ regions:
 - `"rmsnorm"`: the post-norm residual adds and the final norm above;
 - `"attention"`: vLLM-CPU's kernel.
 
-Measured for the one-graph engine only (`vllm-compiled[-exact]`; `none` is transformers). The piecewise and
-eager engines were not read for OLMo 2 and are refused, as is RoPE scaling.
+Measured for the one-graph and the piecewise engine (`vllm-compiled[-piecewise][-exact]`; `none` is transformers).
+The piecewise engine (graph split at attention, vLLM's CUDA default) computes the same: the stream is bf16 in both,
+cos/sin cross the splits in fp32, and the last layer's sum meets the final norm inside the last piece; only the
+order of its norms differs (`olmo2_piecewise_norm_order`). The eager engines were not read for OLMo 2 and are
+refused, as is RoPE scaling.
 
 vLLM's Transformers backend decorates transformers' `Olmo2Model` class in place when it builds an engine, after
 which no OLMo 2 model of the same process can run its forward (docs/families.md): an OLMo 2 policy cannot be
@@ -40,7 +43,9 @@ from .spec import ArchSpec, register_arch, require_attrs
 __all__ = ["OLMO2", "OLMO2_LAYER_NORMS"]
 
 OLMO2_LAYER_NORMS = ("post_attention_layernorm", "post_feedforward_layernorm")
-OLMO2_PROFILES = ("none", "vllm-compiled", "vllm-compiled-exact")
+OLMO2_PROFILES = (
+    "none", "vllm-compiled", "vllm-compiled-exact", "vllm-compiled-piecewise", "vllm-compiled-piecewise-exact",
+)
 
 
 def olmo2_attention_forward(
@@ -161,6 +166,18 @@ def check_olmo2_structure(backbone: torch.nn.Module, spec: ArchSpec) -> None:
             raise ValueError(f"{p}.mlp.act_fn is {type(layer.mlp.act_fn).__name__}; the SwiGLU region needs silu.")
 
 
+def olmo2_piecewise_norm_order(num_layers: int) -> list[str]:
+    """The norms in the piecewise engine's order (read from tiny-olmo2's pieces): the first piece runs layer 0's q-norm
+    then k-norm; each middle piece a layer's post-attention and post-feedforward norms, then the next layer's k-norm
+    *before* its q-norm; the last piece the last layer's two post norms and the final norm."""
+    order = ["layers.0.self_attn.q_norm", "layers.0.self_attn.k_norm"]
+    for i in range(num_layers):
+        order += [f"layers.{i}.{n}" for n in OLMO2_LAYER_NORMS]
+        if i + 1 < num_layers:
+            order += [f"layers.{i + 1}.self_attn.k_norm", f"layers.{i + 1}.self_attn.q_norm"]
+    return order + ["norm"]
+
+
 def olmo2_default_lanes(num_layers: int, vector_floats: int) -> list[int]:
     """vLLM-CPU 0.31's reduction lanes for OLMo 2 (read from a tiny model's generated code): two vectors for every
     norm. Order: q-norm, k-norm, post-attention, post-feedforward per layer; final."""
@@ -171,7 +188,7 @@ OLMO2 = register_arch(
     ArchSpec(
         "olmo2",
         qk_norm=True,
-        examples="OLMo 2 (1B-32B; one-graph engine only)",
+        examples="OLMo 2 (1B-32B)",
         attention_forward=olmo2_attention_forward,
         mlp_forward=None,
         check_config=check_olmo2_config,
@@ -182,6 +199,7 @@ OLMO2 = register_arch(
         profiles=OLMO2_PROFILES,
         default_lanes=olmo2_default_lanes,
         qk_norm_first=True,
+        piecewise_norm_order=olmo2_piecewise_norm_order,
         rotary_forward=olmo2_rotary_forward,
         engine_in_process=False,
     )

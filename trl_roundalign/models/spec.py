@@ -43,10 +43,12 @@ class ArchSpec:
     mlp_check: Callable | None = None
     # Why the family has no exact mode, where it has none (the message `apply_roundalign` raises for `*-exact`).
     no_exact: str | None = None
-    # OLMo 2: the q/k-norms run before the layer's first norm (post-norm layers); the rotary module's forward
+    # OLMo 2: the q/k-norms run before the layer's first norm (post-norm layers), in another order again in the
+    # piecewise engine (`piecewise_norm_order(num_layers)`: the norm names in that engine's order); the rotary module's forward
     # under the "rope" region (cos/sin as the engine computes them, exact profile); and whether a model of the
     # family can run in a process that holds an engine (vLLM's Transformers backend rewires the family's class).
     qk_norm_first: bool = False
+    piecewise_norm_order: Callable | None = None
     rotary_forward: Callable | None = None
     engine_in_process: bool = True
 

@@ -13,7 +13,7 @@ CPU_ATTN, compiled by vLLM into one graph. Read from the C++ Inductor generated 
   with fp32 `c`, `s` (OLMo 2's rotary module keeps cos/sin in fp32). transformers: `q = r(x̂ w)`, then
   `r(f(q) c + f(rotate_half(q)) s)`.
 - cos/sin are computed inside the kernel from the fp32 `inv_freq` and the position, with Inductor's vectorised
-  `cos`/`sin` (Sleef); eager `torch.cos` on CPU differs in about 30% of values, so the exact profile computes
+  `cos`/`sin` (Sleef); eager `torch.cos` on CPU differs from it in the last bits of many values, so the exact profile computes
   them through a small `torch.compile`d function on CPU (`engine_cos_sin`).
 
 Backward: autograd through the fp32 function (each input's gradient rounded once, at its cast).

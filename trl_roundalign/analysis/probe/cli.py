@@ -16,7 +16,9 @@ def run_probe_cli(args) -> dict:
 
     if args.rows < 1:
         raise ValueError(f"--rows must be at least 1, got {args.rows}.")
-    kw = engine_kwargs_from(args.enforce_eager, args.max_model_len, args.gpu_memory_utilization, args.custom_ops)
+    kw = engine_kwargs_from(
+        args.enforce_eager, args.max_model_len, args.gpu_memory_utilization, args.custom_ops, args.piecewise
+    )
     kw["use_tqdm_on_load"] = bool(getattr(args, "verbose", False))  # the weight-loading bar: --verbose only
     report = probe(args.model, rows=args.rows, seed=args.seed, model_check=not args.no_model_check, **kw)
     print(format_report(report), flush=True)
