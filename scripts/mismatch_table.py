@@ -53,6 +53,7 @@ def main(argv=None) -> int:
     from trl_roundalign.engine import build_llm, close_llm, cpu_vector_isa, engine_info, profile_for_engine
     from trl_roundalign.local_models import resolve_model
     from trl_roundalign.models import get_spec
+    from trl_roundalign.models.spec import exact_refusal
     from trl_roundalign.profiles import ALL_REGIONS, PAPER_REGIONS, get_profile
 
     other = {"vllm-compiled": "vllm-compiled-piecewise", "vllm-compiled-piecewise": "vllm-compiled"}
@@ -78,9 +79,10 @@ def main(argv=None) -> int:
                 )
                 info = llm.info
             profile = profile_for_engine(info)
-            conditions = build_conditions("regions", profile, exact=spec.no_exact is None)
-            if spec.no_exact is not None:
-                skipped.append(f"{name}: no exact row ({spec.no_exact})")
+            refusal = exact_refusal(spec, AutoConfig.from_pretrained(path))
+            conditions = build_conditions("regions", profile, exact=refusal is None)
+            if refusal is not None:
+                skipped.append(f"{name}: no exact row ({refusal})")
             with_other = measured is None or other[profile] in measured
             if with_other:
                 conditions.append(Condition("three_region@other", PAPER_REGIONS, other[profile]))

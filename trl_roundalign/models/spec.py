@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["ARCH_SPECS", "ArchSpec", "register_arch", "require_attrs"]
+__all__ = ["ARCH_SPECS", "ArchSpec", "exact_refusal", "register_arch", "require_attrs"]
 
 
 @dataclass(frozen=True)
@@ -41,8 +41,11 @@ class ArchSpec:
     # A check of each layer's MLP replacing the SwiGLU one (`mlp_attrs`/`act_attr`), for a family whose MLP varies by
     # layer (Qwen3-MoE's sparse blocks and dense layers): `mlp_check(mlp, path)` raises ValueError.
     mlp_check: Callable | None = None
-    # Why the family has no exact mode, where it has none (the message `apply_roundalign` raises for `*-exact`).
+    # Why the family has no exact mode, where it has none (the message `apply_roundalign` raises for `*-exact`), and
+    # a check for one whose exact mode covers only some models or machines: `exact_unavailable(config)` returns why
+    # the exact profile cannot apply (or None).
     no_exact: str | None = None
+    exact_unavailable: Callable | None = None
     # OLMo 2: the q/k-norms run before the layer's first norm (post-norm layers), in another order again in the
     # piecewise engine (`piecewise_norm_order(num_layers)`: the norm names in that engine's order); the rotary module's forward
     # under the "rope" region (cos/sin as the engine computes them, exact profile); and whether a model of the
@@ -54,6 +57,13 @@ class ArchSpec:
 
 
 ARCH_SPECS: dict[str, ArchSpec] = {}
+
+
+def exact_refusal(spec: ArchSpec, config) -> str | None:
+    """Why `spec`'s exact mode cannot reproduce the engine for a model with `config` on this machine, or None."""
+    if spec.no_exact is not None:
+        return spec.no_exact
+    return spec.exact_unavailable(config) if spec.exact_unavailable is not None else None
 
 
 def require_attrs(obj, attrs, path: str, family: str) -> None:
