@@ -531,12 +531,18 @@ def reduction_lanes_in(code: str, *, vector_floats: int | None = None) -> list[i
 _ROTATE_HALF_RE = re.compile(r"^cpp_fused_\w*_cat_\w*_neg_\w*rsqrt", re.M)
 
 
+_GEMM_MARKERS = ("extern_kernels.mm(", "extern_kernels.addmm(", "torch.ops._C.", "torch.ops.vllm.")
+
+
 def _inductor_modules(inductor_dir: str | os.PathLike) -> list[str]:
+    """The engine's generated model modules under its Inductor folder: C++ code with a norm (`rsqrt`) and a GEMM or a
+    vLLM op. The GEMM excludes what other `torch.compile` calls of the same process wrote there while the folder was
+    the current one (a probe's compiled regions: elementwise code only)."""
     files = glob.glob(os.path.join(str(inductor_dir), "**", "*.py"), recursive=True)
     out = []
     for f in files:
         text = Path(f).read_text(errors="ignore")
-        if "async_compile.cpp_pybinding" in text and "rsqrt" in text:
+        if "async_compile.cpp_pybinding" in text and "rsqrt" in text and any(m in text for m in _GEMM_MARKERS):
             out.append(text)
     return out
 

@@ -276,6 +276,21 @@ def test_cli_probe_prints_the_table(tmp_path):
     assert report["model"] == "tiny-qwen3" and os.path.isdir(report["model_path"])
 
 
+@pytest.mark.vllm
+@pytest.mark.full
+def test_cli_probe_piecewise_engine_is_decided_at_the_model_level(tmp_path):
+    """`--piecewise`: the regions cannot tell one graph from pieces (the same forms, another residual stream); the
+    model level can, bit for bit, and the verdict follows it (and agrees with profile='auto')."""
+    out = tmp_path / "probe.json"
+    proc = _cli("tiny-qwen3", "--piecewise", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["engine"]["piecewise"] is True
+    assert report["model_level_exact"] == "vllm-compiled-piecewise-exact" and report["model_level_conclusive"]
+    assert report["profile"] == "vllm-compiled-piecewise" and report["agrees_with_auto"] is True
+    assert "profile: vllm-compiled-piecewise\nprofile='auto' picks: vllm-compiled-piecewise (agrees)" in proc.stdout
+
+
 @pytest.fixture(scope="module")
 def gpt2_checkpoint(tmp_path_factory):
     """A tiny GPT-2 checkpoint (random weights): an architecture trl_roundalign does not patch."""

@@ -94,13 +94,6 @@ def probe(
             report.auto_profile = profile_for_engine(info)
         except ValueError as exc:
             report.auto_error = str(exc)
-        if report.auto_profile is not None:
-            report.agrees_with_auto = report.auto_profile == verdict
-            if not report.agrees_with_auto:
-                report.warnings.append(
-                    f"profile='auto' picks {report.auto_profile!r} for this engine, but the probe measured {verdict!r}"
-                )
-
         if model_check:
             t2 = time.perf_counter()
             report.model_level = probe_model_level(
@@ -120,9 +113,25 @@ def probe(
                     f"{best!r} (inconclusive: every candidate differs somewhere)"
                 )
             elif verdict is not None and best != verdict:
+                if _same_regions(best, verdict):
+                    # The regions alone cannot tell these profiles apart (the same region forms, another residual
+                    # stream: one graph vs pieces); the model level decides, bit for bit.
+                    report.warnings.append(
+                        f"the regions match {verdict!r} and {best!r} alike (they differ in the residual stream only); "
+                        f"at the model level {exact_cand!r} reproduces the engine bit for bit, so the profile is {best!r}"
+                    )
+                    report.profile = verdict = best
+                else:
+                    report.warnings.append(
+                        f"at the model level {exact_cand!r} reproduces the engine bit for bit, not the per-region "
+                        f"verdict {verdict!r}: the engine handles the residual stream differently from what its regions "
+                        "suggest"
+                    )
+        if report.auto_profile is not None:
+            report.agrees_with_auto = report.auto_profile == verdict
+            if not report.agrees_with_auto:
                 report.warnings.append(
-                    f"at the model level {exact_cand!r} reproduces the engine bit for bit, not the per-region verdict "
-                    f"{verdict!r}: the engine handles the residual stream differently from what its regions suggest"
+                    f"profile='auto' picks {report.auto_profile!r} for this engine, but the probe measured {verdict!r}"
                 )
     finally:
         if own_engine:
@@ -130,3 +139,15 @@ def probe(
     timings["total"] = time.perf_counter() - t0
     report.timings = timings
     return report
+
+
+def _same_regions(a: str, b: str) -> bool:
+    """Whether profiles `a` and `b` compute every region alike and differ only in the residual stream (one graph vs
+    pieces), which a region-level probe cannot see."""
+    from dataclasses import fields
+
+    from ...profiles import get_profile
+
+    pa, pb = get_profile(a), get_profile(b)
+    stream = {"name", "description", "residual", "norm_reads"}
+    return all(getattr(pa, f.name) == getattr(pb, f.name) for f in fields(pa) if f.name not in stream)
