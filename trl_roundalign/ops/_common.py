@@ -141,3 +141,21 @@ def norm_backward_fp32(dy: torch.Tensor, xf: torch.Tensor, weight: torch.Tensor,
     dx = rstd * (dxhat - xhat * ((dxhat * xhat).sum(dim=-1, keepdim=True) / n))
     dw = (dy * xhat).reshape(-1, n).sum(dim=0)
     return dx, dw
+
+
+def resolve_reference_only(profile: str | Profile, backend: str | None, regions: str) -> Profile:
+    """The profile of a family's regions that have only the PyTorch reference (`regions` names them in the error)."""
+    if backend not in (None, "torch"):
+        raise ValueError(
+            f"backend={backend!r}: {regions} have no Triton kernels yet; use backend='torch' or None (the PyTorch "
+            "reference, on any device)."
+        )
+    return get_profile(profile)
+
+
+def check_half_or_stream(name: str, t: torch.Tensor, fp32_ok: bool = False) -> None:
+    """Raise `TypeError` unless `t` is bf16/fp16 (or, with `fp32_ok`, the fp32 residual stream)."""
+    ok = (torch.bfloat16, torch.float16) + ((torch.float32,) if fp32_ok else ())
+    if not isinstance(t, torch.Tensor) or t.dtype not in ok:
+        raise TypeError(f"{name} must be a bf16/fp16 tensor{' (or the fp32 stream)' if fp32_ok else ''}, got "
+                        f"{getattr(t, 'dtype', type(t).__name__)}.")

@@ -25,8 +25,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..profiles import Profile, get_profile
-from ._common import norm_backward_fp32, norm_lanes, rms_rstd
+from ..profiles import Profile
+from ._common import check_half_or_stream, norm_backward_fp32, norm_lanes, resolve_reference_only, rms_rstd
 from .rope import _check_rope, _QkNormRopeRef, rope
 
 __all__ = ["gemma_qk_norm_rope", "gemma_rms_norm", "geglu_tanh"]
@@ -37,19 +37,10 @@ _inductor_tanh = None
 
 
 def _resolve(profile: str | Profile, backend: str | None) -> Profile:
-    if backend not in (None, "torch"):
-        raise ValueError(
-            f"backend={backend!r}: Gemma 3's regions (the (1+w) norm, GeGLU-tanh) have no Triton kernels yet; "
-            "use backend='torch' or None (the PyTorch reference, on any device)."
-        )
-    return get_profile(profile)
+    return resolve_reference_only(profile, backend, "Gemma 3's regions (the (1+w) norm, GeGLU-tanh)")
 
 
-def _check(name: str, t: torch.Tensor, fp32_ok: bool = False) -> None:
-    ok = (torch.bfloat16, torch.float16) + ((torch.float32,) if fp32_ok else ())
-    if not isinstance(t, torch.Tensor) or t.dtype not in ok:
-        raise TypeError(f"{name} must be a bf16/fp16 tensor{' (or the fp32 stream)' if fp32_ok else ''}, got "
-                        f"{getattr(t, 'dtype', type(t).__name__)}.")
+_check = check_half_or_stream
 
 
 class _GemmaNormRef(torch.autograd.Function):

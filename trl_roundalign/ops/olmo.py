@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from ..profiles import Profile, get_profile
-from ._common import inductor_sum
+from ..profiles import Profile
+from ._common import check_half_or_stream, inductor_sum, norm_lanes, resolve_reference_only
 
 __all__ = ["engine_cos_sin", "olmo2_post_norm_add", "olmo2_qk_norm_rope", "olmo2_rms_norm"]
 
@@ -33,19 +33,10 @@ _inductor_cos_sin = None
 
 
 def _resolve(profile: str | Profile, backend: str | None) -> Profile:
-    if backend not in (None, "torch"):
-        raise ValueError(
-            f"backend={backend!r}: OLMo 2's regions have no Triton kernels; use backend='torch' or None (the PyTorch "
-            "reference, on any device)."
-        )
-    return get_profile(profile)
+    return resolve_reference_only(profile, backend, "OLMo 2's regions")
 
 
-def _check(name: str, t: torch.Tensor, fp32_ok: bool = False) -> None:
-    ok = (torch.bfloat16, torch.float16) + ((torch.float32,) if fp32_ok else ())
-    if not isinstance(t, torch.Tensor) or t.dtype not in ok:
-        raise TypeError(f"{name} must be a bf16/fp16 tensor{' (or the fp32 stream)' if fp32_ok else ''}, got "
-                        f"{getattr(t, 'dtype', type(t).__name__)}.")
+_check = check_half_or_stream
 
 
 def _normed_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float, lanes: int | None) -> torch.Tensor:
@@ -61,14 +52,6 @@ def _hf_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (weight * out).to(weight.dtype if x.dtype == torch.float32 else x.dtype)
-
-
-def _lanes(prof: Profile, reduction_lanes: int | None) -> int | None:
-    if reduction_lanes is not None:
-        if reduction_lanes < 1 or reduction_lanes & (reduction_lanes - 1):
-            raise ValueError(f"reduction_lanes must be a power of two, got {reduction_lanes}.")
-        return reduction_lanes
-    return prof.reduction_lanes if prof.reduction == "inductor-cpu" else None
 
 
 def olmo2_rms_norm(
@@ -87,7 +70,7 @@ def olmo2_rms_norm(
     prof = _resolve(profile, backend)
     if prof.norm == "hf":
         return _hf_norm(x, weight, eps)
-    return _normed_fp32(x, weight, eps, _lanes(prof, reduction_lanes)).to(weight.dtype)
+    return _normed_fp32(x, weight, eps, norm_lanes(prof, reduction_lanes)).to(weight.dtype)
 
 
 def olmo2_post_norm_add(
@@ -117,7 +100,7 @@ def olmo2_post_norm_add(
     prof = _resolve(profile, backend)
     if prof.norm == "hf":
         return residual + _hf_norm(a, weight, eps)
-    s = residual.float() + _normed_fp32(a, weight, eps, _lanes(prof, reduction_lanes))
+    s = residual.float() + _normed_fp32(a, weight, eps, norm_lanes(prof, reduction_lanes))
     return s if keep_fp32 else s.to(residual.dtype)
 
 
@@ -166,7 +149,7 @@ def olmo2_qk_norm_rope(
         return ((q * c) + (_rotate_half(q) * s)).to(x.dtype)
     if prof.qk_norm != "fp32-fused":
         raise ValueError(f"profile {prof.name!r} (q/k-norm {prof.qk_norm!r}) is not measured for OLMo 2.")
-    n = _normed_fp32(x, weight, eps, _lanes(prof, reduction_lanes)).view(shape)
+    n = _normed_fp32(x, weight, eps, norm_lanes(prof, reduction_lanes)).view(shape)
     rot = _rotate_half(n).to(x.dtype)
     return ((n * c) + (rot * s)).to(x.dtype)
 
