@@ -151,6 +151,7 @@ def test_triton_and_liger_are_skipped_with_a_reason_on_cpu():
     assert bench_model.backend_of("rope_only", cpu) == "torch"
 
 
+@pytest.mark.full  # a script-run check, not a claim (make test stays under 40 min on the AVX2 machine)
 def test_bench_ops_quick(tmp_path):
     """All regions on a tiny shape; on a CPU the Triton kernels run under the interpreter (path, not speed)."""
     out = _run(["bench/bench_ops.py", "--quick", "--interpret", "--out", str(tmp_path)], interpret=not ON_GPU)
@@ -170,6 +171,7 @@ def test_bench_ops_quick(tmp_path):
     assert "| region" in out and "fwd+bwd ms" in out
 
 
+@pytest.mark.full  # a script-run check, not a claim (make test stays under 40 min on the AVX2 machine)
 def test_bench_model_quick(tmp_path):
     """A tiny Qwen3, every condition, checkpointing off and on (Triton under the interpreter on a CPU)."""
     out = _run(["bench/bench_model.py", "--quick", "--interpret", "--out", str(tmp_path)], interpret=not ON_GPU)

@@ -331,6 +331,7 @@ def test_cpu_recipe_two_steps_through_accelerate_launch(tmp_path, model):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # a script-run check (make test stays under 40 min on the AVX2 machine)
 @pytest.mark.vllm
 def test_eval_aime_on_a_tiny_model(tmp_path):
     rows = [

@@ -155,7 +155,11 @@ def test_cli_bad_input(tmp_path):
     assert_one_line_error(run_cli("analyze", tiny, "--num-prompts", "0"), "at least 1")
     assert_one_line_error(run_cli("analyze", tiny, "--profile", "fast"), "known profiles")
     assert_one_line_error(run_cli("analyze", tiny, "--per-layer", "--exact", "off"), "--per-layer .* exact mode")
-    assert_one_line_error(run_cli("analyze", tiny, "--piecewise", "--enforce-eager"), "--piecewise .* --enforce-eager")
+    from trl_roundalign.engine import engine_kwargs_from  # the CLIs' shared engine options (ValueError: exit code 2)
+
+    with pytest.raises(ValueError, match="--piecewise compiles the model in pieces; it cannot be combined with --enforce-eager"):
+        engine_kwargs_from(enforce_eager=True, piecewise=True)
+    assert engine_kwargs_from(piecewise=True)["piecewise"] is True
 
 
 def test_cli_env():

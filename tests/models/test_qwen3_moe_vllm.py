@@ -35,6 +35,9 @@ def _avx2_kernels() -> bool:
 
 
 def test_qwen3_moe_three_regions_lower_the_mismatch_through_analyze(tmp_path):
+    # 48 new tokens, not fewer: with 32 (8 samples) the three regions came out above default BF16 (k3 0.077 vs 0.067),
+    # the mean carried by a few expert flips of up to ~15 nats (docs/numerics.md, "Qwen3-MoE"); at this sample size
+    # the MoE k3 is that noisy.
     run = _analyze(tmp_path / "moe", "--conditions", "regions", "--num-prompts", "4", "--samples-per-prompt", "2",
                    "--max-new-tokens", "48", "--no-floors")
     assert run.returncode == 0, run.stderr[-3000:]
