@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from ..profiles import Profile
-from ._common import check_half_or_stream, inductor_sum, norm_lanes, resolve_reference_only
+from ._common import check_half_or_stream, norm_forward_fp32, norm_lanes, resolve_reference_only
 
 __all__ = ["engine_cos_sin", "olmo2_post_norm_add", "olmo2_qk_norm_rope", "olmo2_rms_norm"]
 
@@ -40,11 +40,9 @@ _check = check_half_or_stream
 
 
 def _normed_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float, lanes: int | None) -> torch.Tensor:
-    """`x̂ f(w)` in fp32 (differentiable): the sum of squares in torch's order, or Inductor's over `lanes`."""
-    xf = x.float()
-    sq = xf * xf
-    total = sq.sum(-1, keepdim=True) if lanes is None else inductor_sum(sq, lanes)
-    return (xf * torch.rsqrt(total / xf.shape[-1] + eps)) * weight.float()
+    """`x̂ f(w)` in fp32, the shared aligned norm (`_common.norm_forward_fp32`; plain torch ops, so autograd
+    differentiates it): the sum of squares in torch's order, or Inductor's over `lanes`."""
+    return norm_forward_fp32(x.float(), weight, eps, lanes)[0]
 
 
 def _hf_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
