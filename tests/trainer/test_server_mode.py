@@ -121,7 +121,9 @@ def trainer_logprobs(model, ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits, -1).gather(-1, x[0, 1:, None])[:, 0].double().cpu()
 
 
-def test_server_mode_trains_and_syncs_weights_over_gloo(server, tmp_path):
+def train_and_check_the_sync(server, tmp_path, model_path: Path, *, min_candidates: int) -> None:
+    """Train 2 steps of `model_path` against `server` (three regions, `vllm-compiled`): the start-up check picks the
+    profile, the server's log-probs follow the trainer's weights, and the mismatch metrics are logged every step."""
     from trl_roundalign import RoundAlignGRPOTrainer
     from trl_roundalign.data import arithmetic_dataset
     from trl_roundalign.weight_transfer.client import GlooVLLMClient
@@ -138,7 +140,7 @@ def test_server_mode_trains_and_syncs_weights_over_gloo(server, tmp_path):
             learning_rate=1e-3,  # large enough that the log-probs visibly move in 2 steps
         )
         trainer = RoundAlignGRPOTrainer(
-            model=tiny_model("qwen3"),
+            model=model_path,
             reward_funcs=varied_reward,
             args=args,
             train_dataset=arithmetic_dataset("train[:16]"),
@@ -150,7 +152,7 @@ def test_server_mode_trains_and_syncs_weights_over_gloo(server, tmp_path):
         ver = trainer.roundalign_verification
         assert ver is not None and ver.verdict == "ok" and ver.engine_profile == "vllm-compiled", ver
         assert ver.engine["platform"] == "cpu" and ver.engine["compiled"], ver.engine
-        assert [c.profile for c in ver.candidates][0] == "vllm-compiled" and len(ver.candidates) >= 4
+        assert [c.profile for c in ver.candidates][0] == "vllm-compiled" and len(ver.candidates) >= min_candidates
         assert trainer.roundalign_report.profile == "vllm-compiled"
         ids = trainer.processing_class(TEXT)["input_ids"]
 
@@ -182,6 +184,24 @@ def test_server_mode_trains_and_syncs_weights_over_gloo(server, tmp_path):
             assert math.isfinite(h["mismatch/kl_k3"]) and h["mismatch/tokens"] > 0
         rows = (tmp_path / "mismatch.jsonl").read_text().splitlines()
         assert [json.loads(r)["step"] for r in rows[1:]] == [1, 2]
+
+
+def test_server_mode_trains_and_syncs_weights_over_gloo(server, tmp_path):
+    train_and_check_the_sync(server, tmp_path, tiny_model("qwen3"), min_candidates=4)
+
+
+@pytest.mark.full
+def test_olmo2_trains_in_server_mode(tmp_path):
+    """OLMo 2's engine (vLLM's Transformers backend) cannot share the trainer's process, so colocate mode is refused
+    for it; server mode keeps the engine in its own process, and is how OLMo 2 trains."""
+    model = tiny_model("olmo2")
+    server = Server(model, tmp_path / "server.log")
+    try:
+        server.wait_ready(STARTUP_TIMEOUT_S)
+        # OLMo 2's profiles: the one-graph and the piecewise engine (no eager ones were measured).
+        train_and_check_the_sync(server, tmp_path / "run", model, min_candidates=2)
+    finally:
+        server.stop()
 
 
 def server_trainer(server, tmp_path, profile: str, **overrides):
