@@ -38,6 +38,7 @@ results: setup
 	$(PY) scripts/mismatch_table.py
 	$(PY) scripts/mismatch_table.py --models tiny-phi3,tiny-gemma3,peaked-qwen3-moe --name families_table
 	$(PY) scripts/mismatch_table.py --models peaked-olmo2 --name olmo2_table
+	$(PY) scripts/newer_families.py
 
 lint: setup
 	$(PY) -m ruff check trl_roundalign tests bench recipes scripts
