@@ -2,10 +2,11 @@
 
 transformers' `Phi3RotaryEmbedding` picks LongRoPE's short or long factors per forward, from the sequence length
 (long beyond `original_max_position_embeddings`); vLLM's `Phi3LongRoPEScaledRotaryEmbedding` picks once per engine,
-long whenever `max_model_len > original_max_position_embeddings` (vLLM's default `max_model_len` is the model's
-`max_position_embeddings`, so long for every released LongRoPE model). On sequences shorter than the original length
-the two then rotate with different frequencies: a difference of positions, not of rounding, in default BF16
-training with TRL and vLLM. trl_roundalign refuses LongRoPE for that reason (`models/phi3.py`).
+long whenever `max_model_len > original_max_position_embeddings` (vLLM 0.31's default `max_model_len` for LongRoPE
+models is the original length, so short; a longer one, as long completions need, makes it long). On sequences
+shorter than the original length the two then rotate with different frequencies: a difference of positions, not of
+rounding, in default BF16 training with TRL and vLLM. trl_roundalign refuses LongRoPE for that reason
+(`models/phi3.py`).
 
 This script measures it on a small random LongRoPE Phi-3 (head dim 32, rotary factor 0.75, original length 128,
 max positions 1024, factors drawn as in `tests/ops/test_reference_vs_vllm.py`): vLLM-CPU's default compiled engine
