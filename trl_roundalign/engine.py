@@ -305,6 +305,8 @@ class EngineInfo:
     torch_version: str = ""
     inductor_dir: str | None = None
     cpu_isa: str | None = None
+    # The engine's context length: it decides LongRoPE's factor set (long when above the original length).
+    max_model_len: int | None = None
 
     @property
     def compiled(self) -> bool:
@@ -383,6 +385,7 @@ def engine_info(llm_or_config) -> EngineInfo:
         torch_version=torch.__version__,
         inductor_dir=getattr(llm_or_config, "_roundalign_inductor_dir", None),
         cpu_isa=isa[0] if isa else None,
+        max_model_len=int(cfg.model_config.max_model_len),
     )
 
 

@@ -407,17 +407,42 @@ def smollm2_135m(cache_dir: str | os.PathLike | None = None) -> Path:
     return target
 
 
+PHI3_LONGROPE_ORIGINAL = 128  # original_max_position_embeddings of `tiny_phi3_longrope` (Phi-3.5-mini's is 4096)
+
+
+def tiny_phi3_longrope(seed: int = 0) -> Path:
+    """A small random Phi-3 with LongRoPE, as Phi-3.5-mini and Phi-4-mini scaled down: head dim 32, 24 rotary dims,
+    original length 128, 1024 positions (so an engine with the model's max_model_len takes the long factors, one with
+    `max_model_len=128` the short ones), short factors in [1, 2) and long ones in [1, 21), init std 0.1. Cached."""
+    import torch
+
+    target = cache_root() / "tiny" / f"phi3-longrope-s{seed}"
+    with _locked(target):
+        if not (target / "config.json").exists():
+            g = torch.Generator().manual_seed(22)
+            half = 12
+            short = (1 + torch.rand(half, generator=g)).tolist()
+            long = (1 + 20 * torch.rand(half, generator=g)).tolist()
+            rope = {"rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 0.75, "short_factor": short,
+                    "long_factor": long, "original_max_position_embeddings": PHI3_LONGROPE_ORIGINAL}
+            tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".build-"))
+            build_tiny_model("phi3", tmp, seed=seed, rope_parameters=rope, max_position_embeddings=1024,
+                             original_max_position_embeddings=PHI3_LONGROPE_ORIGINAL, initializer_range=0.1)
+            os.replace(tmp, target)
+    return target
+
+
 OFFLINE_MODEL_NAMES = (
     "smollm2-135m", "tiny-qwen2", "tiny-qwen3", "tiny-llama", "tiny-phi3", "tiny-gemma3", "tiny-qwen3_moe",
-    "tiny-olmo2", "peaked-qwen3", "peaked-qwen3-moe", "peaked-olmo2",
+    "tiny-olmo2", "peaked-qwen3", "peaked-qwen3-moe", "peaked-olmo2", "tiny-phi3-longrope",
 )
 
 
 def resolve_model(name: str | os.PathLike) -> str:
     """Map an offline model name to its checkpoint folder; pass other names and paths through.
 
-    `smollm2-135m`, `tiny-<arch>` (each of `SUPPORTED_TINY_ARCHS`), `peaked-qwen3`, `peaked-qwen3-moe` and
-    `peaked-olmo2` are built offline
+    `smollm2-135m`, `tiny-<arch>` (each of `SUPPORTED_TINY_ARCHS`), `peaked-qwen3`, `peaked-qwen3-moe`,
+    `peaked-olmo2` and `tiny-phi3-longrope` are built offline
     (cached); an existing folder is returned as is; a hub id (`org/name`) passes through when it is in
     the hub cache or the hub is online.
 
@@ -434,6 +459,8 @@ def resolve_model(name: str | os.PathLike) -> str:
         return str(peaked_qwen3())
     if s == "peaked-olmo2":
         return str(peaked_olmo2())
+    if s == "tiny-phi3-longrope":
+        return str(tiny_phi3_longrope())
     if s.startswith("tiny-") and s[5:] in SUPPORTED_TINY_ARCHS:
         return str(tiny_model(s[5:]))
     p = Path(s).expanduser()

@@ -48,6 +48,7 @@ class PatchReport:
         positions_from_mask: whether RoPE positions are derived from a 2-D attention mask.
         reduction_lanes: the per-norm lane counts in use (exact profile), by module path.
         lanes_source: where those came from (`"engine"`, `"default"` or `"given"`).
+        rope_factors: LongRoPE models: the factor set held for every sequence (`"long"` or `"short"`, the engine's).
     """
 
     model_type: str
@@ -58,6 +59,7 @@ class PatchReport:
     positions_from_mask: bool = False
     reduction_lanes: dict[str, int] = field(default_factory=dict)
     lanes_source: str | None = None
+    rope_factors: str | None = None
 
     def modules(self, region: str | None = None) -> list[str]:
         return [p for p, r in self.entries if region is None or r == region]
@@ -71,6 +73,7 @@ class PatchReport:
             "positions_from_mask": self.positions_from_mask,
             "patched": {r: len(self.modules(r)) for r in self.regions},
             "lanes_source": self.lanes_source,
+            **({"rope_factors": self.rope_factors} if self.rope_factors else {}),
         }
 
     def __str__(self) -> str:
@@ -78,6 +81,7 @@ class PatchReport:
         return (
             f"roundalign[{self.model_type}] profile={self.profile} backend={self.backend or 'auto'} "
             f"regions={list(self.regions)} ({counts}); positions_from_mask={self.positions_from_mask}"
+            + (f"; LongRoPE factors={self.rope_factors} (the engine's)" if self.rope_factors else "")
         )
 
 
@@ -121,6 +125,7 @@ def apply_roundalign(
     lanes_source: str | None = None,
     positions_from_mask: bool | None = None,
     attention_block_size: int | None = None,
+    engine_max_model_len: int | None = None,
 ) -> PatchReport:
     """Install the aligned regions into `model` in place.
 
@@ -141,6 +146,10 @@ def apply_roundalign(
         attention_block_size: region `"attention"`: the engine's KV cache block size (it selects the
             kernel's ISA path); default vLLM-CPU's 128. Read it from the engine:
             `llm.llm_engine.vllm_config.cache_config.block_size`.
+        engine_max_model_len: the engine's `max_model_len` (`engine.engine_info(llm).max_model_len`). Needed by
+            LongRoPE models (Phi-3.5-mini, Phi-4-mini) with region `"rope"`: vLLM picks LongRoPE's long factors
+            once per engine when it exceeds `original_max_position_embeddings`, transformers per forward from the
+            sequence length; the region holds the engine's set for every sequence.
 
     Returns:
         A `PatchReport`. Applying the same settings again returns the same report; different
@@ -179,8 +188,11 @@ def apply_roundalign(
         )
     if positions_from_mask is None:
         positions_from_mask = bool(regions)
+    # Decided (and refused) before anything is installed.
+    engine_rope = spec.engine_rope(backbone, engine_max_model_len) if "rope" in regions and spec.engine_rope else None
     lanes_tuple = tuple(reduction_lanes) if reduction_lanes is not None else None
-    key = (regions, prof.name, backend, lanes_tuple, positions_from_mask, attention_block_size)
+    key = (regions, prof.name, backend, lanes_tuple, positions_from_mask, attention_block_size,
+           engine_max_model_len if engine_rope is not None else None)
     current = backbone.__dict__.get(_REPORT_ATTR)
     if current is not None:
         if current.key == key:
@@ -243,6 +255,13 @@ def apply_roundalign(
     if "rope" in regions and spec.rotary_forward is not None and prof.reduction == "inductor-cpu":
         _bind(backbone.rotary_emb, spec.rotary_forward, state(), installed)
         report.entries.append(("model.rotary_emb", "rope"))
+    if engine_rope is not None:
+        forward, extras = engine_rope
+        rotary_state = state()
+        rotary_state.originals.update(extras)
+        _bind(backbone.rotary_emb, forward, rotary_state, installed)
+        report.entries.append(("model.rotary_emb", "rope"))
+        report.rope_factors = extras["factors"]
     if "rmsnorm" in regions:
         if spec.embed_forward is not None:
             _bind(backbone.embed_tokens, spec.embed_forward, state(), installed)

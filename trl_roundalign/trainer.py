@@ -379,6 +379,7 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
                 lanes_source=source,
                 positions_from_mask=args.roundalign_positions_from_mask,
                 attention_block_size=self._engine_block_size() if "attention" in args.roundalign_regions else None,
+                engine_max_model_len=self.roundalign_engine.max_model_len if self.roundalign_engine is not None else None,
             )
             report = report or report_t
         logger.info("RoundAlignGRPOTrainer: %s", report)

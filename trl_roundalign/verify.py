@@ -92,7 +92,7 @@ def verification_sequences(tokenizer, *, max_len: int = 48) -> list[list[int]]:
     return seqs
 
 
-def _score(model, sequences, engine_logps, regions, profile, backend, lanes, block_size) -> CandidateScore:
+def _score(model, sequences, engine_logps, regions, profile, backend, lanes, block_size, max_len=None) -> CandidateScore:
     from .analysis.scoring import hf_logprobs
     from .patching import apply_roundalign, revert_roundalign
 
@@ -102,6 +102,7 @@ def _score(model, sequences, engine_logps, regions, profile, backend, lanes, blo
     apply_roundalign(
         model, regions, profile, backend, reduction_lanes=use_lanes, lanes_source="engine" if use_lanes else None,
         positions_from_mask=False, attention_block_size=block_size if prof.attention == "vllm-cpu" else None,
+        engine_max_model_len=max_len,
     )
     mine = hf_logprobs(model, sequences)
     width = max(len(x) for x in mine)
@@ -253,6 +254,7 @@ def verify_profile(
     """
     start = time.perf_counter()
     regions = tuple(regions)
+    max_len = getattr(info, "max_model_len", None)  # LongRoPE models: the engine's factor set
     bases, exacts = candidate_profiles(info, exact=lanes is not None) if candidates is None else (list(candidates), [])
     measured = _family_profiles(model)
     if measured is not None:  # a family measured on some engines only (Gemma 3): the others cannot be scored
@@ -262,16 +264,16 @@ def verify_profile(
     base_regions = tuple(r for r in regions if r != "attention") or ("rope", "swiglu", "rmsnorm")
     scores: list[CandidateScore] = []
     with torch.no_grad():
-        chosen_score = _score(model, sequences, engine_logps, regions, chosen, backend, lanes, attention_block_size)
+        chosen_score = _score(model, sequences, engine_logps, regions, chosen, backend, lanes, attention_block_size, max_len)
         scores.append(chosen_score)
         for p in bases:
             if p != chosen or regions != base_regions:
-                scores.append(_score(model, sequences, engine_logps, base_regions, p, backend, lanes, attention_block_size))
+                scores.append(_score(model, sequences, engine_logps, base_regions, p, backend, lanes, attention_block_size, max_len))
         exact_scores = []
         if lanes is not None:
             for p in exacts:
                 if p != chosen:
-                    exact_scores.append(_score(model, sequences, engine_logps, ALL_REGIONS, p, backend, lanes, attention_block_size))
+                    exact_scores.append(_score(model, sequences, engine_logps, ALL_REGIONS, p, backend, lanes, attention_block_size, max_len))
             scores.extend(exact_scores)
     tokens = sum(len(x) for x in engine_logps)
     result = Verification(chosen, None, scores, tokens, 0.0)

@@ -237,8 +237,8 @@ def test_mistral_shares_the_structure():
 
 def test_phi3_fused_projections_partial_rotary_and_what_is_refused():
     """Phi-3: profile `none` on every region is transformers' `Phi3ForCausalLM` bit for bit (the fused qkv/gate_up
-    forwards and the 0.75 partial rotary are exact replacements); the resid dropouts are the model's own; LongRoPE and
-    a missing fused projection raise naming what is supported."""
+    forwards and the 0.75 partial rotary are exact replacements); the resid dropouts are the model's own; a RoPE
+    scaling other than LongRoPE and a missing fused projection raise naming what is supported."""
     model = load("phi3")
     assert model.config.rope_parameters["partial_rotary_factor"] == 0.75
     assert model.model.rotary_emb.inv_freq.numel() * 2 == 24 < model.model.layers[0].self_attn.head_dim
@@ -259,17 +259,54 @@ def test_phi3_fused_projections_partial_rotary_and_what_is_refused():
     model.eval()
     revert_roundalign(model)
 
-    longrope = load("phi3")
-    longrope.config.rope_parameters = {
-        "rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 0.75,
-        "short_factor": [1.0] * 12, "long_factor": [2.0] * 12, "original_max_position_embeddings": 256,
-    }
-    with pytest.raises(ValueError, match="rope_type='longrope'.*rope_type='default'"):
-        apply_roundalign(longrope)
+    scaled = load("phi3")
+    scaled.config.rope_parameters = {"rope_type": "yarn", "rope_theta": 1e4, "partial_rotary_factor": 0.75, "factor": 4.0}
+    with pytest.raises(ValueError, match="rope_type='yarn'.*rope_type='default'.*rope_type='longrope'"):
+        apply_roundalign(scaled)
     broken = load("phi3")
     del broken.model.layers[1].self_attn.qkv_proj
     with pytest.raises(ValueError, match=r"model.layers.1.self_attn .*qkv_proj.*Phi-3"):
         apply_roundalign(broken)
+
+
+def test_phi3_longrope_holds_the_engines_factor_set():
+    """LongRoPE: under the "rope" region the rotary module gives, for every sequence, the cos/sin of the factor set the
+    engine picked from its max_model_len (long above the original length), which are transformers' own cos/sin for that
+    set; without the engine's length the region is refused before anything is installed; revert restores the
+    per-sequence choice."""
+    from transformers import AutoModelForCausalLM
+
+    from trl_roundalign.local_models import PHI3_LONGROPE_ORIGINAL, tiny_phi3_longrope
+    from trl_roundalign.patching import get_patch_report, is_patched
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_phi3_longrope(), dtype=torch.bfloat16)
+    rotary = model.model.rotary_emb
+    x = torch.zeros(1, 1, 8, dtype=torch.bfloat16)
+    short_len, long_len = 20, PHI3_LONGROPE_ORIGINAL + 30
+
+    def table(n):
+        return rotary(x, torch.arange(n)[None])
+
+    own_short, own_long = table(short_len), table(long_len)  # transformers: short factors within 128 tokens, long beyond
+    assert not torch.equal(own_short[0], own_long[0][:, :short_len])
+    with pytest.raises(ValueError, match="LongRoPE.*engine_max_model_len"):
+        apply_roundalign(model, PAPER_REGIONS)
+    assert not is_patched(model)
+    report = apply_roundalign(model, PAPER_REGIONS, engine_max_model_len=1024)
+    assert report.rope_factors == "long" and ("model.rotary_emb", "rope") in report.entries
+    held = table(short_len)
+    assert torch.equal(held[0], own_long[0][:, :short_len]) and torch.equal(held[1], own_long[1][:, :short_len])
+    assert get_patch_report(model).as_dict()["rope_factors"] == "long"
+    revert_roundalign(model)
+    assert torch.equal(table(short_len)[0], own_short[0])
+    report = apply_roundalign(model, PAPER_REGIONS, engine_max_model_len=PHI3_LONGROPE_ORIGINAL)
+    assert report.rope_factors == "short"
+    assert torch.equal(table(short_len)[0], own_short[0]) and torch.equal(table(short_len)[1], own_short[1])
+    revert_roundalign(model)
+    # Without the "rope" region the model keeps transformers' own choice and needs no engine length.
+    assert apply_roundalign(model, ("swiglu", "rmsnorm")).rope_factors is None
+    revert_roundalign(model)
+    assert "forward" not in rotary.__dict__ and torch.equal(table(long_len)[0], own_long[0])
 
 
 def test_gemma3_none_is_transformers_and_what_is_refused():

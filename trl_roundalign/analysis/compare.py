@@ -79,14 +79,16 @@ def apply_condition(
     reduction_lanes: Sequence[int] | None,
     attention_block_size: int | None,
     backend: str | None = None,
+    engine_max_model_len: int | None = None,
 ) -> None:
-    """Revert whatever patches `model` has, then apply `cond`'s (lanes and block size where its profile uses them)."""
+    """Revert whatever patches `model` has, then apply `cond`'s (lanes and block size where its profile uses them;
+    the engine's max_model_len for LongRoPE models)."""
     revert_roundalign(model)
     lanes = reduction_lanes if get_profile(cond.profile).reduction == "inductor-cpu" else None
     block = attention_block_size if get_profile(cond.profile).attention == "vllm-cpu" else None
     apply_roundalign(
         model, cond.regions, cond.profile, backend, reduction_lanes=lanes, positions_from_mask=False,
-        attention_block_size=block,
+        attention_block_size=block, engine_max_model_len=engine_max_model_len,
     )
 
 
@@ -100,6 +102,7 @@ def score_conditions(
     attn_implementation: str = "sdpa",
     backend: str | None = None,
     progress: bool = False,
+    engine_max_model_len: int | None = None,
 ) -> dict[str, list[torch.Tensor]]:
     """Score every sample's tokens with the Hugging Face model under each condition.
 
@@ -118,7 +121,7 @@ def score_conditions(
 
         iterator = tqdm(conditions, desc="scoring conditions", unit="condition")
     for cond in iterator:
-        apply_condition(model, cond, reduction_lanes, attention_block_size, backend)
+        apply_condition(model, cond, reduction_lanes, attention_block_size, backend, engine_max_model_len)
         out[cond.name] = hf_logprobs(model, seqs)
     revert_roundalign(model)
     return out
@@ -277,8 +280,10 @@ def compare_engine_run(
         if run.lanes is None:
             raise ValueError(f"The engine's reduction lanes could not be read: {run.lanes_error}")
         lanes = run.lanes
+    max_len = getattr(run.info, "max_model_len", None)
     train = score_conditions(
-        model_path, samples, conditions, reduction_lanes=lanes, attention_block_size=run.block_size, progress=progress
+        model_path, samples, conditions, reduction_lanes=lanes, attention_block_size=run.block_size, progress=progress,
+        engine_max_model_len=max_len,
     )
     stats = condition_stats(samples, train, prefill)
     floor_stats: dict[str, dict[str, float]] = {}
@@ -294,7 +299,7 @@ def compare_engine_run(
 
         layer_rows = per_layer_differences(
             model_path, [s.token_ids for s in samples], conditions, reduction_lanes=lanes,
-            attention_block_size=run.block_size, progress=progress,
+            attention_block_size=run.block_size, progress=progress, engine_max_model_len=max_len,
         )
     return Comparison(str(model_path), list(conditions), samples, prefill, train, stats, floor_stats, lanes, layer_rows)
 

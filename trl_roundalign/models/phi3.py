@@ -18,18 +18,21 @@ Face side is module structure, not arithmetic:
 - `resid_attn_dropout` / `resid_mlp_dropout` before each residual add: the aligned decoder layer calls
   them (`decoder._sublayer_dropout`); released configs have `resid_pdrop=0`.
 
-LongRoPE (`rope_type="longrope"`: Phi-3-mini-128k, Phi-3.5-mini, Phi-4-mini) is refused: transformers
-picks the short or the long factors per forward from the sequence length (`dynamic_rope_update`), vLLM
-once per engine from `max_model_len > original_max_position_embeddings`
-(`Phi3LongRoPEScaledRotaryEmbedding.use_long_rope`). With `max_model_len` above the original length the
-two rotate with different frequencies on every sequence shorter than it: a difference of positions, not
-of rounding, that no region can align. The tables themselves agree: transformers' bf16 cos/sin equal
-vLLM's for both factor sets, mscale included (`tests/ops/test_reference_vs_vllm.py`), so LongRoPE could be
-allowed where the engine's `max_model_len <= original_max_position_embeddings`; the patcher does not see
-the engine, so that check would belong to the trainer.
+LongRoPE (`rope_type="longrope"`: Phi-3-mini-128k, Phi-3.5-mini, Phi-4-mini): transformers picks the short or
+the long factors per forward from the sequence length (`dynamic_rope_update`), vLLM once per engine from
+`max_model_len > original_max_position_embeddings` (`Phi3LongRoPEScaledRotaryEmbedding.use_long_rope`). With
+`max_model_len` above the original length (vLLM's default: the model's `max_position_embeddings`) the two rotate with
+different frequencies on every sequence within the original length: a difference of positions, not of rounding
+(k3 0.61 against 1.2e-4 on a tiny LongRoPE model, docs/results/avx2/longrope_factors.md). The tables themselves
+agree: transformers' bf16 cos/sin equal vLLM's for both factor sets, mscale included
+(`tests/ops/test_reference_vs_vllm.py`). So under the "rope" region the rotary module holds the engine's factor set
+for every sequence (`phi3_engine_rope`): `apply_roundalign(..., engine_max_model_len=...)` says which, and a
+LongRoPE model patched with "rope" and no engine length is refused.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 
@@ -37,7 +40,7 @@ from .. import ops
 from .decoder import _state, attend
 from .spec import ArchSpec, register_arch
 
-__all__ = ["PHI3", "check_phi3_config", "phi3_attention_forward", "phi3_mlp_forward"]
+__all__ = ["PHI3", "check_phi3_config", "phi3_attention_forward", "phi3_engine_rope", "phi3_mlp_forward"]
 
 
 def phi3_attention_forward(
@@ -70,29 +73,77 @@ def phi3_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
 
 
 def check_phi3_config(config) -> None:
-    """Raise `ValueError` for what the Phi-3 forwards do not cover: LongRoPE (see the module docstring)."""
+    """Raise `ValueError` for what the Phi-3 forwards do not cover: RoPE scaling other than LongRoPE."""
     rope = dict(getattr(config, "rope_parameters", None) or {})
     rope_type = rope.get("rope_type", "default")
-    if rope_type != "default":
+    if rope_type not in ("default", "longrope"):
         raise ValueError(
             f"This phi3 model uses rope_type={rope_type!r}; trl_roundalign supports Phi-3 with plain RoPE "
-            "(rope_type='default', partial_rotary_factor allowed: Phi-3-mini-4k, Phi-3-medium-4k). LongRoPE is not "
-            "aligned: transformers picks short/long factors per forward from the sequence length, vLLM once per "
-            "engine from max_model_len > original_max_position_embeddings, so the two can rotate with different "
-            "frequencies whatever the rounding (their tables agree bit for bit; the choice of factors does not)."
+            "(rope_type='default', partial_rotary_factor allowed: Phi-3-mini-4k, Phi-3-medium-4k) and LongRoPE "
+            "(rope_type='longrope': Phi-3.5-mini, Phi-4-mini); other scalings were not measured."
         )
+
+
+def _original_length(config) -> int:
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    original = rope.get("original_max_position_embeddings", getattr(config, "original_max_position_embeddings", None))
+    if original is None:
+        raise ValueError("This LongRoPE phi3 config has no original_max_position_embeddings; its factors are undefined.")
+    return int(original)
+
+
+def phi3_engine_rope(backbone, engine_max_model_len: int | None):
+    """Under the "rope" region, LongRoPE's factor set as the engine picks it: `(forward, extras)` for the rotary
+    module, or None for plain RoPE (see the module docstring)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = backbone.config
+    if dict(getattr(config, "rope_parameters", None) or {}).get("rope_type") != "longrope":
+        return None
+    original = _original_length(config)
+    if engine_max_model_len is None:
+        raise ValueError(
+            f"This phi3 model uses LongRoPE: vLLM rotates with its long factors when the engine's max_model_len exceeds "
+            f"{original} (original_max_position_embeddings), with the short ones otherwise, whatever the sequence "
+            "length; transformers picks per sequence. Pass apply_roundalign(..., engine_max_model_len=<the engine's "
+            "max_model_len>). RoundAlignGRPOTrainer with a colocated engine and `trl-roundalign analyze` read it from the "
+            "engine; with a vLLM server it is not read yet, so LongRoPE models train with the 'rope' region in "
+            "colocate mode only."
+        )
+    factors = "long" if int(engine_max_model_len) > original else "short"
+    rotary = backbone.rotary_emb
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS["longrope"](
+        config, rotary.inv_freq.device, seq_len=original + 1 if factors == "long" else None
+    )
+    if scaling != rotary.attention_scaling:
+        raise ValueError(f"LongRoPE's attention scaling differs between factor sets ({scaling} vs {rotary.attention_scaling}).")
+    return phi3_longrope_rotary_forward, {"inv_freq": inv_freq, "factors": factors}
+
+
+def phi3_longrope_rotary_forward(self, x: torch.Tensor, position_ids: torch.Tensor):
+    """transformers' rotary forward with the held factor set: its own computation of cos/sin (the decorators that
+    would pick the factors from the sequence length unwrapped), the held `inv_freq` in place for the call."""
+    held = _state(self).originals["inv_freq"]
+    own = self._buffers["inv_freq"]
+    self._buffers["inv_freq"] = held.to(own.device)
+    try:
+        with torch.no_grad():
+            return inspect.unwrap(type(self).forward)(self, x, position_ids)
+    finally:
+        self._buffers["inv_freq"] = own
 
 
 PHI3 = register_arch(
     ArchSpec(
         "phi3",
         qk_norm=False,
-        examples="Phi-3-mini-4k, Phi-3-medium-4k (plain RoPE; LongRoPE refused)",
+        examples="Phi-3-mini-4k, Phi-3-medium-4k, Phi-3.5-mini, Phi-4-mini (LongRoPE: the engine's factors held)",
         attn_attrs=("qkv_proj", "o_proj", "head_dim", "scaling", "layer_idx", "num_key_value_heads", "config"),
         mlp_attrs=("gate_up_proj", "down_proj", "activation_fn"),
         act_attr="activation_fn",
         attention_forward=phi3_attention_forward,
         mlp_forward=phi3_mlp_forward,
         check_config=check_phi3_config,
+        engine_rope=phi3_engine_rope,
     )
 )

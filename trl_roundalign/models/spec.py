@@ -54,6 +54,10 @@ class ArchSpec:
     piecewise_norm_order: Callable | None = None
     rotary_forward: Callable | None = None
     engine_in_process: bool = True
+    # Phi-3's LongRoPE: the rotary module's forward under the "rope" region when the engine's factor choice must be
+    # held. `engine_rope(backbone, engine_max_model_len)` returns `(forward, state extras)`, None where the config
+    # needs nothing; raises ValueError where it needs the engine's max_model_len and has none.
+    engine_rope: Callable | None = None
 
 
 ARCH_SPECS: dict[str, ArchSpec] = {}
