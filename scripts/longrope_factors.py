@@ -22,36 +22,22 @@ docs/results/avx2).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from _results import cpu_model, write_table  # noqa: E402  (scripts/ is on sys.path when run)
+
 from trl_roundalign.engine import set_offline_defaults  # noqa: E402
 
 set_offline_defaults(ROOT / ".cache")
 
 ORIGINAL, MAX_POS, HEAD_DIM, ROTARY_DIM = 128, 1024, 32, 24
-
-
-def build(out: Path) -> Path:
-    import torch
-
-    from trl_roundalign.local_models import build_tiny_model
-
-    g = torch.Generator().manual_seed(22)
-    short = (1 + torch.rand(ROTARY_DIM // 2, generator=g)).tolist()
-    long = (1 + 20 * torch.rand(ROTARY_DIM // 2, generator=g)).tolist()
-    rope = {"rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 0.75, "short_factor": short,
-            "long_factor": long, "original_max_position_embeddings": ORIGINAL}
-    return build_tiny_model("phi3", out, rope_parameters=rope, original_max_position_embeddings=ORIGINAL,
-                            max_position_embeddings=MAX_POS, initializer_range=0.1)
 
 
 def hold_long_factors(model) -> None:
@@ -84,37 +70,32 @@ def main(argv=None) -> int:
     from trl_roundalign.analysis.engine_process import run_engine_in_process
     from trl_roundalign.analysis.scoring import hf_logprobs
     from trl_roundalign.engine import cpu_vector_isa
+    from trl_roundalign.local_models import tiny_phi3_longrope
 
     started = time.time()
     rows = []
-    with tempfile.TemporaryDirectory(prefix="longrope-") as tmp:
-        path = build(Path(tmp) / "model")
-        for max_model_len, engine_factors in ((MAX_POS, "long"), (ORIGINAL, "short")):
-            run = run_engine_in_process(path, engine_kwargs={"max_model_len": max_model_len}, num_prompts=4,
-                                        samples_per_prompt=2, max_new_tokens=24, floors=False)
-            longest = max(len(s.token_ids) for s in run.samples)
-            assert longest <= ORIGINAL, f"a sequence of {longest} tokens: transformers would switch to long factors"
-            pre, mask = completion_matrix(run.samples, run.prefill)
-            for held in (False, True):
-                model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
-                if held:
-                    hold_long_factors(model)
-                train = hf_logprobs(model, [s.token_ids for s in run.samples])
-                tr, _ = completion_matrix(run.samples, train)
-                stats = metrics.token_stats(tr, pre, mask)
-                rows.append({"engine_max_model_len": max_model_len, "engine_factors": engine_factors,
-                             "transformers_factors": "long (held)" if held else "short (its choice)",
-                             "longest_sequence": longest, **stats})
-                print(f"engine {engine_factors}, transformers {rows[-1]['transformers_factors']}: "
-                      f"k3 {stats['mismatch/kl_k3']:.3e}", file=sys.stderr)
+    path = tiny_phi3_longrope()
+    for max_model_len, engine_factors in ((MAX_POS, "long"), (ORIGINAL, "short")):
+        run = run_engine_in_process(path, engine_kwargs={"max_model_len": max_model_len}, num_prompts=4,
+                                    samples_per_prompt=2, max_new_tokens=24, floors=False)
+        longest = max(len(s.token_ids) for s in run.samples)
+        assert longest <= ORIGINAL, f"a sequence of {longest} tokens: transformers would switch to long factors"
+        pre, mask = completion_matrix(run.samples, run.prefill)
+        for held in (False, True):
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+            if held:
+                hold_long_factors(model)
+            train = hf_logprobs(model, [s.token_ids for s in run.samples])
+            tr, _ = completion_matrix(run.samples, train)
+            stats = metrics.token_stats(tr, pre, mask)
+            rows.append({"engine_max_model_len": max_model_len, "engine_factors": engine_factors,
+                         "transformers_factors": "long (held)" if held else "short (its choice)",
+                         "longest_sequence": longest, **stats})
+            print(f"engine {engine_factors}, transformers {rows[-1]['transformers_factors']}: "
+                  f"k3 {stats['mismatch/kl_k3']:.3e}", file=sys.stderr)
 
-    machine = "unknown CPU"
-    for line in open("/proc/cpuinfo"):
-        if line.startswith("model name"):
-            machine = line.split(":", 1)[1].strip()
-            break
     meta = {"vllm": vllm.__version__, "torch": torch.__version__,
-            "machine": f"{platform.machine()} {os.cpu_count()} cores, {machine}",
+            "machine": f"{platform.machine()} {os.cpu_count()} cores, {cpu_model()}",
             "inductor_vector_isa": list(cpu_vector_isa() or ()),
             "model": {"head_dim": HEAD_DIM, "rotary_dim": ROTARY_DIM, "original_max_position_embeddings": ORIGINAL,
                       "max_position_embeddings": MAX_POS, "initializer_range": 0.1},
@@ -127,12 +108,7 @@ def main(argv=None) -> int:
                      f"{r['mismatch/kl_k3']:.3e} | {r['mismatch/abs_logp_diff/mean']:.3e} | "
                      f"{r['mismatch/abs_logp_diff/max']:.3e} | {r['mismatch/frac_bitwise_equal']:.4f} | "
                      f"{int(r['mismatch/tokens'])} |")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "longrope_factors.md").write_text(
-        f"<!-- generated by scripts/longrope_factors.py; {json.dumps(meta)} -->\n" + "\n".join(lines) + "\n")
-    (out / "longrope_factors.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-    print("\n".join(lines))
+    write_table(args.out, "longrope_factors", "scripts/longrope_factors.py", meta, lines, rows)
     return 0
 
 
