@@ -139,6 +139,14 @@ def _model_type_of(model) -> str | None:
     return None
 
 
+@contextlib.contextmanager
+def _rng_untouched():
+    """Restore torch's CPU random state (and the current CUDA device's, once CUDA is in use) on exit."""
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        yield
+
+
 class RoundAlignGRPOTrainer(GRPOTrainer):
     """GRPO with rounding alignment; accepts exactly what `trl.GRPOTrainer` accepts.
 
@@ -218,7 +226,10 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
             self._check_dtypes()
             self.roundalign_report = self._install_patches(args)
             if args.roundalign_verify_profile:
-                self.roundalign_verification = self._verify_profile(args)
+                # Scoring the engine runs it and the policy: neither may move the random state the first generation
+                # samples from, or turning alignment on would change what is sampled from step 1 on.
+                with _rng_untouched():
+                    self.roundalign_verification = self._verify_profile(args)
         except BaseException:
             self.close()  # the colocated engine is built by now; a failed trainer must not keep it
             raise

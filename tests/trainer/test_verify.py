@@ -58,3 +58,27 @@ def test_verification_can_be_switched_off(tmp_path, closing):
         )
     )
     assert trainer.roundalign_verification is None and trainer.roundalign_profile == "vllm-eager-cpu"
+
+
+def test_the_start_up_check_leaves_what_is_sampled_alone(tmp_path, closing):
+    """Same seed, alignment off or on: the first generation samples the same completions.
+
+    With regions the start-up check runs the colocated engine (one generated token per sequence) and the policy;
+    had it drawn from the process's random state, which the colocated engine samples from, every completion after
+    it would change, and an aligned run and a default one would part from step 1 for a reason that is not rounding.
+    """
+    completions = {}
+    for regions in ([], ["rope", "swiglu", "rmsnorm"]):
+        args = make_config(tmp_path / f"regions{len(regions)}", max_steps=1, roundalign_regions=regions)
+        trainer = closing(
+            RoundAlignGRPOTrainer(
+                model=str(tiny_model("qwen3")), reward_funcs=varied_reward, args=args,
+                train_dataset=arithmetic_dataset("train[:8]"),
+            )
+        )
+        assert (trainer.roundalign_verification is None) == (not regions)
+        trainer.train()
+        completions[len(regions)] = list(trainer._logs["completion"])
+        trainer.close()
+    assert len(completions[0]) == 4 and len(set(map(str, completions[0]))) > 1, "the four samples should differ"
+    assert completions[3] == completions[0]

@@ -91,7 +91,10 @@ def vllm_prefill_logprobs(llm, sequences: Sequence[Sequence[int]], *, one_at_a_t
     """
     from vllm import SamplingParams, TokensPrompt
 
-    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+    # The one token each request must generate is drawn from its own seeded generator: an unseeded request would
+    # draw it from the engine's sampling stream (a colocated engine's is the process's torch RNG) and shift every
+    # sample after it. The prompt log-probs do not depend on it.
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, seed=0)
     prompts = [TokensPrompt(prompt_token_ids=list(s)) for s in sequences]
     if one_at_a_time:
         outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
