@@ -102,9 +102,21 @@ def test_rows_after_a_checkpoint_are_dropped_and_summary_rebuilds_from_rows(stab
     bf16 = summary["conditions"]["bf16_default"]
     assert bf16["reward_mean"] == pytest.approx((0.25 + 0.75) / 2)  # steps 1 and 3 carry a reward
     assert bf16["kl_k3_max"] == pytest.approx(3e-4) and bf16["wall_s"] == 80.0
+    assert summary["conditions"]["exact"]["first_step_sampled_unlike_bf16_default"] == {"0": None}  # same rows
+    assert "first_step_sampled_unlike_bf16_default" not in bf16
     assert summary["settings"]["num_iterations"] == stability.SETTINGS["num_iterations"]
     assert {"cpu", "isa", "cores", "torch", "vllm", "trl"} <= set(summary["machine"])
     assert (results / "stability.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_step_where_samples_part_is_the_first_generation_that_differs(stability):
+    base = [_row(s) for s in range(1, 9)]
+    assert stability.first_step_sampled_apart(base, base) is None
+    other = [_row(s, num_tokens=100) if s >= 5 else _row(s) for s in range(1, 9)]
+    assert stability.first_step_sampled_apart(other, base) == 5
+    # Steps without a generation (no reward) do not count, nor do steps the baseline has not reached.
+    assert stability.first_step_sampled_apart([_row(s, entropy=9.0) for s in range(1, 9)], base) is None
+    assert stability.first_step_sampled_apart(other, base[:3]) is None
 
 
 def test_other_settings_in_a_rows_file_refuse_to_resume(stability, tmp_path):

