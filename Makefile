@@ -24,7 +24,8 @@ test-fast: setup
 demo: setup
 	$(PY) recipes/cpu/demo.py
 
-# The stability study (issue 16): hours on 2 cores, resumable (run it again to continue), not part of `make test`.
+# The stability study (issue 16): 13-18 min per 200-step run on 2 AVX512-BF16 cores, 3-5 h on AVX2 ones; resumable
+# (run it again to continue), not part of `make test`.
 # Options through EXPERIMENT_ARGS, e.g. make experiment EXPERIMENT_ARGS="--conditions bf16_default exact --seeds 1".
 experiment: setup
 	$(PY) recipes/cpu/stability.py $(EXPERIMENT_ARGS)
