@@ -74,7 +74,14 @@ def test_aligned_moe_block_is_closer_to_vllms_kernel_than_transformers(h, inter,
     # aligned block by 16% less (measured on the AVX2 machine: 1.72e-3 vs 2.04e-3, 4.78e-3 vs 5.60e-3). The
     # bit-identical fraction is no guide at this level (14.8% vs 19.7%), so it is reported, not asserted.
     assert al_diff < 0.9 * hf_diff, f"aligned {al_eq:.4f}/{al_diff:.3e} vs transformers {hf_eq:.4f}/{hf_diff:.3e}"
-    assert al_eq < 0.5, "the fp32 form is not the kernel's arithmetic (it rounds where the AVX2 kernel truncates)"
+    from trl_roundalign.engine import vllm_cpu_kernel_library
+
+    if vllm_cpu_kernel_library() == EXACT_KERNEL_LIBRARY:
+        assert al_eq < 0.5, "the fp32 form is not the kernel's arithmetic (it rounds where the AVX2 kernel truncates)"
+    else:
+        # The AVX-512 library's kernel rounds to bf16 as the fp32 form does, so more outputs agree (58-59% on the
+        # AVX-512 machine, 2026-12-02), but not all: its GEMM blocking and exp are its own (the exact form is refused).
+        assert al_eq < 1.0, f"the fp32 form is not the {vllm_cpu_kernel_library()} kernel's arithmetic ({al_eq:.4f})"
 
 
 def _needs_avx2_kernels():
