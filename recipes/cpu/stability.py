@@ -502,6 +502,10 @@ def run_metrics(rows: list[dict]) -> dict:
         out[f"{name}_final"] = _mean(values[-FINAL_WINDOW:])
         if name == "kl_k3":
             out["kl_k3_max"] = max(values) if values else None
+            out["kl_k3_median"] = statistics.median(values) if values else None
+            # The exact condition sits at the log-softmax floor (~1e-12) except on generations where the engine's
+            # decode-time sampler differs from its own prefill: how many generations were at the floor.
+            out["kl_k3_generations_below_1e-9"] = sum(v < 1e-9 for v in values)
         if name == "step_s":  # the median: a step during which the run was paused (SIGSTOP) does not move it
             out["step_s_median"] = statistics.median(values) if values else None
     out["wall_s"] = round(sum(_finite(r.get("step_s") for r in rows)), 1)
