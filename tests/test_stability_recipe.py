@@ -103,6 +103,7 @@ def test_rows_after_a_checkpoint_are_dropped_and_summary_rebuilds_from_rows(stab
     assert bf16["reward_mean"] == pytest.approx((0.25 + 0.75) / 2)  # steps 1 and 3 carry a reward
     assert bf16["kl_k3_max"] == pytest.approx(3e-4) and bf16["wall_s"] == 80.0
     assert bf16["kl_k3_median"] == pytest.approx(2e-4) and bf16["kl_k3_generations_below_1e-9"] == 0
+    assert bf16["reward_max"] == pytest.approx(0.75) and bf16["reward_best_window"] is None  # < 10 values
     assert summary["conditions"]["exact"]["first_step_sampled_unlike_bf16_default"] == {"0": None}  # same rows
     assert "first_step_sampled_unlike_bf16_default" not in bf16
     assert summary["settings"]["num_iterations"] == stability.SETTINGS["num_iterations"]

@@ -151,6 +151,7 @@ METRICS: tuple[tuple[str, str, str, bool], ...] = (
     ("grad_norm", "grad_norm", "grad_norm", False),
     ("completions/mean_length", "completion_length", "completions/mean_length (tokens)", False),
     ("step_s", "step_s", "wall time per step (s)", False),
+    ("mismatch/seq_log_ratio/max_abs", "seq_log_ratio_max_abs", None, False),
 )
 FINAL_WINDOW = 10  # `_final` and `_first`: mean of the last / first this many logged values
 
@@ -506,6 +507,10 @@ def run_metrics(rows: list[dict]) -> dict:
             # The exact condition sits at the log-softmax floor (~1e-12) except on generations where the engine's
             # decode-time sampler differs from its own prefill: how many generations were at the floor.
             out["kl_k3_generations_below_1e-9"] = sum(v < 1e-9 for v in values)
+        if name in ("reward", "grad_norm"):  # how high it got: a collapse would show after it
+            out[f"{name}_max"] = max(values) if values else None
+            windows = [_mean(values[i : i + FINAL_WINDOW]) for i in range(len(values) - FINAL_WINDOW + 1)]
+            out[f"{name}_best_window"] = max(windows) if windows else None
         if name == "step_s":  # the median: a step during which the run was paused (SIGSTOP) does not move it
             out["step_s_median"] = statistics.median(values) if values else None
     out["wall_s"] = round(sum(_finite(r.get("step_s") for r in rows)), 1)
