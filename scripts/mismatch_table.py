@@ -29,6 +29,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from _results import cpu_model  # scripts/ is on sys.path when run
+
 from trl_roundalign.engine import set_offline_defaults
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -114,7 +116,7 @@ def main(argv=None) -> int:
     table = "\n".join(lines + [f"\n{s}" for s in skipped])
     meta = {
         "vllm": vllm.__version__,
-        "machine": f"{platform.machine()} {os.cpu_count()} cores, {_cpu_model()}",
+        "machine": f"{platform.machine()} {os.cpu_count()} cores, {cpu_model()}",
         "inductor_vector_isa": list(cpu_vector_isa() or ()),
         "command": " ".join(["scripts/mismatch_table.py", *(sys.argv[1:] if argv is None else argv)]),
         "seconds": round(time.time() - started),
@@ -127,16 +129,6 @@ def main(argv=None) -> int:
     (out / f"{args.name}.json").write_text(json.dumps({"meta": meta, "rows": rows, "skipped": skipped}, indent=1, default=float))
     print(table)
     return 0
-
-
-def _cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 if __name__ == "__main__":
