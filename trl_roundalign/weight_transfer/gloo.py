@@ -226,9 +226,9 @@ def _refuse_dropped_weights(model: torch.nn.Module) -> None:
         if hasattr(module, "cpu_linear") and isinstance(weight, torch.Tensor) and weight.numel() == 0:
             raise RuntimeError(
                 f"vLLM-CPU loaded {name!r} with its weight packed into a kernel and dropped, so gloo weight "
-                "updates have nothing to load into. trl-roundalign's vllm.general_plugins entry point keeps them; "
-                "install trl-roundalign in the server's environment (`pip install -e .`) and start the server "
-                "with `python -m trl_roundalign.weight_transfer.serve`."
+                "updates have nothing to load into. trl-roundalign's vllm.general_plugins entry point "
+                "(roundalign_gloo_weight_transfer) keeps them when it runs before the model loads: leave it in "
+                "VLLM_PLUGINS and start the server with `python -m trl_roundalign.weight_transfer.serve`."
             )
 
 
