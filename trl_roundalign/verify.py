@@ -18,6 +18,7 @@ mode that is not 100% bit-identical stops it too.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -191,14 +192,33 @@ def server_engine_info(server_info: dict):
     return info, f"{device}, {'compiled' if info.compiled else 'eager'} ({info.compile_mode})"
 
 
-def server_prompt_logprobs(client, sequences: list[list[int]]) -> list[torch.Tensor]:
+def server_prompt_logprobs(client, sequences: list[list[int]], temperature: float = 0.0) -> list[torch.Tensor]:
     """A vLLM server's prompt log-probs of each sequence (entry `t` scores token `t + 1`), one request.
 
-    TRL's `VLLMClient.get_sequence_logprobs` (completions with `prompt_logprobs`, temperature 1): the same
-    numbers `prompt_logprobs` gives a colocated engine.
+    A `/v1/completions` request with `prompt_logprobs` and one generated token, as TRL's
+    `VLLMClient.get_sequence_logprobs` sends, but greedy: vLLM computes prompt log-probs from the raw
+    logits whatever the temperature, and a batch of greedy requests draws no random numbers, so the check
+    leaves the server's sampling stream, which training then draws from, where it was (as the colocated
+    check does). A seed would not: vLLM-CPU's sampler draws from the global generator even when every
+    request is seeded (`TopKTopPSampler.forward_cpu`). `temperature=1.0` sends TRL's request.
     """
-    out = client.get_sequence_logprobs(sequences=sequences, prompt_lengths=[1] * len(sequences), top_logprobs=1)
-    result = [torch.tensor([lp[0] for lp in seq], dtype=torch.float32) for seq in out["actual_logprobs"]]
+    payload = {
+        "model": client.model,
+        "prompt": sequences,
+        "max_tokens": 1,
+        "temperature": temperature,
+        "prompt_logprobs": 1,
+    }
+    choices = sorted(client._post(f"{client.base_url}/v1/completions", json=payload)["choices"], key=lambda c: c["index"])
+    result = []
+    for choice, seq in zip(choices, sequences):
+        entries = choice.get("prompt_logprobs") or []
+        lps = [(entries[t] or {}).get(str(seq[t]), {}).get("logprob", math.nan) for t in range(1, len(entries))]
+        result.append(torch.tensor(lps, dtype=torch.float32))
+    if len(result) != len(sequences):
+        raise RuntimeError(
+            f"The vLLM server answered {len(result)} of {len(sequences)} prompts; the start-up profile check cannot score it."
+        )
     for seq, lps in zip(sequences, result):
         if len(lps) != len(seq) - 1 or not torch.isfinite(lps).all():
             raise RuntimeError(

@@ -372,3 +372,38 @@ def test_a_served_engine_whose_weights_were_packed_away_refuses_the_gloo_backend
     model.qkv_proj.weight = torch.nn.Parameter(torch.empty(0, dtype=torch.bfloat16), requires_grad=False)
     with pytest.raises(RuntimeError, match=r"'qkv_proj' with its weight packed .*trl_roundalign\.weight_transfer\.serve"):
         _refuse_dropped_weights(model)
+
+
+@pytest.mark.full
+def test_the_server_start_up_check_leaves_what_the_server_samples_alone(tmp_path):
+    """Three fresh servers answer the same three unseeded requests (one at a time, so the batches are alike):
+    untouched, after the start-up check's greedy request (the same completions) and after TRL's temperature-1
+    request (the control: other completions, so the comparison can fail). Both checks read the same prompt
+    log-probs: vLLM scores prompts from the raw logits."""
+    from transformers import AutoTokenizer
+    from trl.generation.vllm_client import VLLMClient
+
+    from trl_roundalign.verify import server_prompt_logprobs, verification_sequences
+
+    model = tiny_model("qwen3")
+    sequences = verification_sequences(AutoTokenizer.from_pretrained(model))
+    scored = {}
+
+    def sampled(check: float | None) -> list[list[int]]:
+        srv = Server(model, tmp_path / f"server-{check}.log")
+        try:
+            srv.wait_ready(STARTUP_TIMEOUT_S)
+            with srv.log_on_failure():
+                client = VLLMClient(base_url=srv.url, connection_timeout=60)
+                if check is not None:
+                    scored[check] = server_prompt_logprobs(client, sequences, temperature=check)
+                generate = client.generate
+                return [generate([TEXT[:24]], n=1, temperature=1.0, max_tokens=16)["completion_ids"][0] for _ in range(3)]
+        finally:
+            srv.stop()
+
+    untouched = sampled(None)
+    assert len({tuple(c) for c in untouched}) > 1, "the completions do not vary: the comparison would prove nothing"
+    assert sampled(0.0) == untouched
+    assert sampled(1.0) != untouched
+    assert all(torch.equal(a, b) for a, b in zip(scored[0.0], scored[1.0], strict=True))
