@@ -8,7 +8,8 @@ For each model: vLLM generates, vLLM scores the same sequences (prompt log-probs
 Face model scores them under each condition, with the profile `profile_for_engine` derives from the
 engine. Statistics are over completion tokens, against vLLM's prefill scoring. Claims:
 
-- the paper's three regions lower k3 on every model (>= 35% on SmolLM2, >= 2x on the peaked Qwen3 with
+- the paper's three regions lower k3 on every model (>= 35% on SmolLM2, >= 20% on its piecewise engine where
+  vLLM-CPU loads the AVX-512 `_C` library, >= 2x on the peaked Qwen3 with
   sdpa attention, >= 10x there with the engine's attention kernel, which isolates the rounding locations);
 - the exact mode reproduces vLLM's log-probs bit for bit (k3 = 0, 100% identical) on every model and
   both engines, on whatever CPU ISA runs the suite.
@@ -149,7 +150,14 @@ def test_three_regions_lower_the_mismatch(name, engine):
     assert default > 0, "the stock model must differ from the engine, or this test cannot fail"
     assert three < default, {c: k3(comp, c) for c in comp.stats}
     if name == "smollm2-135m":
-        assert three <= 0.65 * default, f"SmolLM2: three-region k3 {three:.3e} vs default {default:.3e}"
+        # Measured (docs/results/avx512/smollm2_three_regions.md): 41% lower on the one-graph engine and 25% on the
+        # piecewise one where vLLM-CPU loads _C (AVX-512); >= 35% on both engines with _C_AVX2. What the three regions
+        # leave on the piecewise _C engine is split between Inductor's 16-lane norm reductions and the attention
+        # kernel: either one added takes it to 34-35% lower, both (exact mode) to 0.
+        from trl_roundalign.engine import vllm_cpu_kernel_library
+
+        bound = 0.80 if (engine == "piecewise" and vllm_cpu_kernel_library() == "_C") else 0.65
+        assert three <= bound * default, f"SmolLM2: three-region k3 {three:.3e} vs default {default:.3e}"
     if name == "peaked-qwen3":
         # With sdpa the rest is mostly attention: sdpa vs vLLM-CPU's kernel differs by ISA (three regions: 3.8x
         # lower on AVX-512, 2.3x on AVX2). With the engine's kernel the rounding locations alone: about 20x.
