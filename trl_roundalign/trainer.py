@@ -457,17 +457,24 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
         self._last_loaded_step = self.state.global_step
         tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
         sequences = verification_sequences(tokenizer)
-        payload = [None]
+        payload, failure = [None], None
         if client is not None:
-            response = client.session.get(f"{url}/server_info", params={"config_format": "json"})
-            if response.status_code == 200:
-                info, about = server_engine_info(response.json())
-            else:
-                info, about = None, f"its /server_info answered {response.status_code}"
-            payload = [(info, about, server_prompt_logprobs(client, sequences))]
+            try:
+                response = client.session.get(f"{url}/server_info", params={"config_format": "json"})
+                if response.status_code == 200:
+                    info, about = server_engine_info(response.json())
+                else:
+                    info, about = None, f"its /server_info answered {response.status_code}"
+                payload = [(info, about, server_prompt_logprobs(client, sequences))]
+            except Exception as e:  # noqa: BLE001 - broadcast, so that no process waits for a payload that never comes
+                failure = e
+                why = " ".join(f"{type(e).__name__}: {e}".split())
+                payload = [f"The server-mode start-up check could not query the vLLM server at {url}: {why}"]
         from accelerate.utils import broadcast_object_list
 
         broadcast_object_list(payload, from_process=0)  # every process scores (and stops) alike
+        if isinstance(payload[0], str):  # the main process's request failed: every process stops with its line
+            raise RuntimeError(payload[0]) from failure
         info, about, engine_logps = payload[0]
         if info is None:
             candidates, note = list(ALL_BASE_CANDIDATES), f" The server's platform is unknown: {about}."
