@@ -191,8 +191,9 @@ def test_no_valid_tokens(mask):
     assert set(out) == set(METRIC_KEYS)
     assert out["mismatch/tokens"] == 0.0 and out["mismatch/nan_tokens"] == 0.0
     for key in METRIC_KEYS:
-        if key not in ("mismatch/tokens", "mismatch/nan_tokens"):
+        if key not in ("mismatch/tokens", "mismatch/nan_tokens", "mismatch/nonfinite_train_tokens"):
             assert math.isnan(out[key]), key
+    assert out["mismatch/nonfinite_train_tokens"] == 0.0
 
 
 def test_only_nan_tokens():
@@ -272,7 +273,7 @@ def _random_batch(seed: int, b: int = 7, t: int = 11):
 def _assert_merge_equals_union(parts: list[MismatchSums], union: MismatchSums):
     merged = merge_sums(parts)
     # exact: counts, extrema, concatenated values
-    for name in ("tokens", "nan_tokens", "bitwise_equal", "outside_clip", "ratio_min", "ratio_max", "abs_diff_max"):
+    for name in ("tokens", "nan_tokens", "nonfinite_train", "bitwise_equal", "outside_clip", "ratio_min", "ratio_max", "abs_diff_max"):
         assert getattr(merged, name) == getattr(union, name), name
     assert torch.equal(merged.seq_log_ratios, union.seq_log_ratios)
     for name in ("abs_diff_buckets", "abs_diff_counts", "abs_diff_bounds"):

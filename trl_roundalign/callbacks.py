@@ -2,8 +2,21 @@
 
 The numbers are computed by the pure functions in `trl_roundalign.metrics`; this module only
 collects the per-micro-batch sufficient statistics, reduces them across processes once per
-optimizer step, appends the results to the trainer's metrics (so `log()` sends them to
-wandb/tensorboard/trackio with everything else) and writes one JSONL row per step.
+optimizer step, writes one JSONL row per step and hands TRL's `log()` the statistics of its logging window.
+
+Logging window: TRL's `GRPOTrainer.log()` logs the mean of each `_metrics` list gathered since the last
+log (`logging_steps` optimizer steps). A mean of per-step maxima is no maximum, so the callback does not
+append per-step values: it merges the sufficient statistics of every step since the last log
+(`metrics.merge_sums`, exact) and, at each step, replaces each `mismatch/*` list with the one finalized
+value of that merge. Whenever `log()` runs it therefore logs the window's own statistics (maximum of
+every token of the window, token-weighted means, quantiles of the pooled histogram, summed counts);
+`log()` clears the lists, which starts the next window. The rows of `mismatch.jsonl` stay per step.
+
+`mismatch.jsonl` is append-only across runs: every `train()` call first writes a header row
+(`run_info`, `run_id`, `started_at`, `resumed_at_step`), so several runs in one `output_dir` are kept and
+can be told apart. A resumed run (`train(resume_from_checkpoint=...)`) continues the file's last run: its
+header repeats that run's `run_id`, and that run's rows of steps after the checkpoint (trained again) are
+removed first. `read_mismatch_runs` / `read_mismatch_log` split a file into runs.
 
 Where the log-probs come from:
 
@@ -26,6 +39,8 @@ import json
 import logging
 import os
 import time
+import uuid
+from datetime import UTC, datetime
 
 import torch
 from transformers import TrainerCallback
@@ -34,24 +49,35 @@ from . import metrics
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MismatchCallback"]
+__all__ = ["MismatchCallback", "read_mismatch_log", "read_mismatch_runs"]
+
+# The key whose list object tells whether TRL's log() consumed (and cleared) the current window.
+_ANCHOR = "mismatch/tokens"
 
 
 class MismatchCallback(TrainerCallback):
-    """Log `mismatch/*` metrics every optimizer step (see `trl_roundalign.metrics.METRIC_DOCS`).
+    """Log `mismatch/*` metrics (see `trl_roundalign.metrics.METRIC_DOCS`) over each logging window.
 
     Args:
-        log_file: JSONL path; the first line records `run_info`, then one row per step. None: no file.
-        run_info: versions, engine mode, profile and regions for the first line.
+        log_file: JSONL path, appended to; every `train()` call writes a header row (`run_info`, `run_id`,
+            `started_at`, `resumed_at_step`), then one row per optimizer step. None: no file.
+        run_info: versions, engine mode, profile and regions for the header rows.
+
+    Attributes:
+        history: this run's per-step rows (a resumed run keeps the rows up to its checkpoint).
+        run_id: the id of the run in `log_file` (on the main process; None before `train()`).
     """
 
     def __init__(self, log_file: str | os.PathLike | None = None, run_info: dict | None = None):
         self.log_file = str(log_file) if log_file is not None else None
         self.run_info = dict(run_info or {})
         self.trainer = None
-        self._pending: list = []
-        self._header_written = False
+        self.run_id: str | None = None
         self.history: list[dict] = []
+        self._pending: list = []
+        self._window: metrics.MismatchSums | None = None  # the steps since the last log, merged
+        self._written: list | None = None  # the `_ANCHOR` list last put into the trainer's metrics
+        self._warned_nonfinite = False
 
     # ------------------------------------------------------------------ wiring
 
@@ -102,7 +128,14 @@ class MismatchCallback(TrainerCallback):
     # ------------------------------------------------------------------ TrainerCallback
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self._write_header(state)
+        resumed_at = state.global_step if state.global_step > 0 else None
+        self._pending = []
+        self._window = None
+        self._written = None
+        self._warned_nonfinite = False
+        self.history = [r for r in self.history if r["step"] <= state.global_step] if resumed_at else []
+        if self.log_file and state.is_world_process_zero:
+            self._start_run(resumed_at)
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.trainer is None:
@@ -110,44 +143,73 @@ class MismatchCallback(TrainerCallback):
         local = metrics.merge_sums(self._pending) if self._pending else metrics.empty_sums()
         self._pending = []
         total = metrics.reduce_across_processes(local, self.trainer.accelerator)
+        store = self.trainer._metrics["train"]
+        if self._written is not None and store.get(_ANCHOR) is not self._written:
+            self._window = None  # log() ran since the last step: it logged the window and cleared the lists
         if total.tokens == 0 and total.nan_tokens == 0:
             return
+        self._window = total if self._window is None else metrics.merge_sums([self._window, total])
+        # TRL's log() averages each list: one value per list, the window's, is logged as it is.
+        for key, value in metrics.finalize(self._window).items():
+            store[key] = [value]
+        self._written = store[_ANCHOR]
+
         values = metrics.finalize(total)
-        for key, value in values.items():
-            self.trainer._metrics["train"][key].append(value)
         row = {"step": state.global_step, "time": round(time.time(), 3), **values}
         self.history.append(row)
-        if state.is_world_process_zero and self.log_file:
-            self._write_header(state)
+        if not state.is_world_process_zero:
+            return
+        if total.nan_tokens and not self._warned_nonfinite:
+            self._warned_nonfinite = True
+            logger.warning(
+                "step %d: %d completion tokens have a log-prob that is not finite (%d of them on the trainer's side, "
+                "the rest on vLLM's); they are left out of the other statistics and counted in mismatch/nan_tokens "
+                "and mismatch/nonfinite_train_tokens (warned once per run).",
+                state.global_step, total.nan_tokens, total.nonfinite_train,
+            )
+        if self.log_file:
             with open(self.log_file, "a") as fh:
                 fh.write(json.dumps(row) + "\n")
 
     # ------------------------------------------------------------------ file
 
-    def _write_header(self, state) -> None:
-        if self._header_written or not self.log_file or not state.is_world_process_zero:
-            return
+    def _start_run(self, resumed_at: int | None) -> None:
+        """Append this `train()` call's header; a resume continues the file's last run (see the module docstring)."""
         os.makedirs(os.path.dirname(os.path.abspath(self.log_file)), exist_ok=True)
-        resuming = state.global_step > 0 and os.path.exists(self.log_file)
-        if resuming:
-            self._drop_rows_after(state.global_step)
-        with open(self.log_file, "a" if resuming else "w") as fh:
-            fh.write(json.dumps({"run_info": self.run_info, "resumed_at_step": state.global_step if resuming else None}) + "\n")
-        self._header_written = True
+        run_id = None
+        if resumed_at is not None and os.path.exists(self.log_file):
+            run_id = self._resume_last_run(resumed_at)
+        self.run_id = run_id or uuid.uuid4().hex[:16]
+        header = {
+            "run_info": self.run_info,
+            "run_id": self.run_id,
+            "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
+            "resumed_at_step": resumed_at,
+        }
+        torn = os.path.exists(self.log_file) and os.path.getsize(self.log_file) > 0 and not _ends_with_newline(self.log_file)
+        with open(self.log_file, "a") as fh:
+            fh.write(("\n" if torn else "") + json.dumps(header) + "\n")
 
-    def _drop_rows_after(self, step: int) -> None:
-        """On resume: remove the rows of steps after the checkpoint (they are trained again), atomically."""
+    def _resume_last_run(self, step: int) -> str | None:
+        """Remove the last run's rows of steps after `step` (trained again) and torn lines, atomically.
+
+        Returns the last run's `run_id` (None when the file holds no run or one written without ids).
+        """
         with open(self.log_file) as fh:
             lines = fh.read().splitlines()
-        kept, dropped = [], 0
+        parsed = []
         for line in lines:
             try:
-                row_step = json.loads(line).get("step")
+                row = json.loads(line)
             except json.JSONDecodeError:
-                row_step = None  # a torn last line from an interrupted run
-                dropped += 1
-                continue
-            if row_step is not None and row_step > step:
+                row = None  # a torn line from an interrupted run
+            parsed.append(row if isinstance(row, dict) else None)
+        starts = [i for i, row in enumerate(parsed) if row is not None and _starts_run(row, parsed[:i])]
+        first = starts[-1] if starts else 0
+        run_id = parsed[first].get("run_id") if starts else None
+        kept, dropped = [], 0
+        for i, (line, row) in enumerate(zip(lines, parsed)):
+            if row is None or (i >= first and "step" in row and row["step"] > step):
                 dropped += 1
                 continue
             kept.append(line)
@@ -156,4 +218,83 @@ class MismatchCallback(TrainerCallback):
             with open(tmp, "w") as fh:
                 fh.write("".join(k + "\n" for k in kept))
             os.replace(tmp, self.log_file)
-            logger.info("mismatch log: resumed at step %d, dropped %d rows of later steps", step, dropped)
+            logger.info("mismatch log: resumed at step %d, dropped %d rows of later steps of the last run", step, dropped)
+        return run_id
+
+
+def _ends_with_newline(path: str) -> bool:
+    with open(path, "rb") as fh:
+        fh.seek(-1, os.SEEK_END)
+        return fh.read(1) == b"\n"
+
+
+def _starts_run(header: dict, before: list) -> bool:
+    """Whether a header row starts a new run (rather than resuming the run before it)."""
+    if "run_info" not in header:
+        return False
+    previous = next((r for r in reversed(before) if r is not None and "run_info" in r), None)
+    if previous is None:
+        return True
+    if header.get("run_id") is not None:
+        return header["run_id"] != previous.get("run_id")
+    return header.get("resumed_at_step") is None  # files written before runs had ids
+
+
+def read_mismatch_runs(path: str | os.PathLike) -> list[dict]:
+    """Split a `mismatch.jsonl` into its runs, in the order they were written.
+
+    Args:
+        path: the JSONL file `MismatchCallback` writes.
+
+    Returns:
+        `list[dict]`: one entry per run: `run_id` (None in files written before runs had ids), `header` (the
+        run's first header row, with `run_info`), `headers` (that one and one per resume) and `rows` (the run's
+        per-step rows; after a resume at step `n` the rows of later steps from before the resume are left out,
+        so each step appears once). Torn lines are skipped; rows before any header form a run without header.
+    """
+    runs: list[dict] = []
+    current = None
+    last_header = None
+    with open(path) as fh:
+        text = fh.read()
+    for line in text.splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(row, dict):
+            continue
+        if "run_info" in row:
+            new = _starts_run(row, [last_header]) or current is None
+            last_header = row
+            if new:
+                current = {"run_id": row.get("run_id"), "header": row, "headers": [row], "rows": []}
+                runs.append(current)
+            else:
+                current["headers"].append(row)
+                step = row.get("resumed_at_step")
+                if step is not None:
+                    current["rows"] = [r for r in current["rows"] if r["step"] <= step]
+        elif "step" in row:
+            if current is None:
+                current = {"run_id": None, "header": None, "headers": [], "rows": []}
+                runs.append(current)
+            current["rows"].append(row)
+    return runs
+
+
+def read_mismatch_log(path: str | os.PathLike, run: int = -1) -> tuple[dict | None, list[dict]]:
+    """One run of a `mismatch.jsonl`: `(header, rows)`, the last run by default (see `read_mismatch_runs`).
+
+    Args:
+        path: the JSONL file.
+        run: index into `read_mismatch_runs(path)` (-1: the last run written).
+
+    Returns:
+        `(header, rows)`: the run's first header row and its per-step rows; `(None, [])` for an empty file.
+    """
+    runs = read_mismatch_runs(path)
+    if not runs:
+        return None, []
+    chosen = runs[run]
+    return chosen["header"], chosen["rows"]

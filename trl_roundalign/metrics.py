@@ -7,6 +7,10 @@ Inputs, for the completion tokens vLLM sampled:
   `sampling_per_token_logps`: NaN where vLLM returned none, 0.0 on padding);
 - `mask` `[B, T]`: 1 on completion tokens, 0 on padding and tool-result tokens.
 
+Which tokens: those of one optimizer step in a row of `mismatch.jsonl`, and those of the whole logging window
+(the steps since the last log) in what TRL logs: `MismatchCallback` merges the window's steps with `merge_sums`, so
+a logged maximum is the window's maximum, a logged mean is token-weighted and a logged count is the window's sum.
+
 A token is *valid* when it is inside the mask and both log-probs are finite. With
 `Δ = log_ratio = train_logps - infer_logps = log(π_train / π_vLLM)` and `r = exp(Δ)`:
 
@@ -86,14 +90,18 @@ METRIC_DOCS: dict[str, str] = {
     "mismatch/seq_log_ratio/mean": "Mean over sequences of the sequence log-ratio Σ_t Δ_t "
     "(= log of the sequence-level ratio π_train/π_vLLM; sequences without valid tokens excluded).",
     "mismatch/seq_log_ratio/max_abs": "Largest |Σ_t Δ_t| over sequences.",
-    "mismatch/tokens": "Number of valid tokens: inside the completion mask with both log-probs finite.",
-    "mismatch/nan_tokens": "Number of tokens inside the completion mask excluded because a log-prob was not "
-    "finite (NaN where vLLM returned none).",
+    "mismatch/tokens": "Number of valid tokens: inside the completion mask with both log-probs finite (logged: "
+    "summed over the logging window, as every count here; the other statistics pool the window's tokens).",
+    "mismatch/nan_tokens": "Number of tokens inside the completion mask whose training or vLLM log-prob is not "
+    "finite (NaN, ±inf; NaN where vLLM returned none), excluded from every statistic above. vLLM returns the "
+    "log-prob of every token it samples, so a non-zero count means one side computed NaN/inf: investigate it.",
+    "mismatch/nonfinite_train_tokens": "Of `mismatch/nan_tokens`, the tokens whose training-side log-prob is not "
+    "finite (the trainer's forward produced NaN/inf); the rest are non-finite on vLLM's side only.",
 }
 
 METRIC_KEYS: tuple[str, ...] = tuple(METRIC_DOCS)
 
-_COUNT_KEYS = ("mismatch/tokens", "mismatch/nan_tokens")
+_COUNT_KEYS = ("mismatch/tokens", "mismatch/nan_tokens", "mismatch/nonfinite_train_tokens")
 _QUANTILES = {"p50": 0.5, "p90": 0.9, "p99": 0.99}
 
 HIST_MANTISSA_BITS = 8
@@ -158,6 +166,7 @@ class MismatchSums:
     Args:
         tokens (`int`): valid tokens (inside the mask, both log-probs finite).
         nan_tokens (`int`): tokens inside the mask excluded because a log-prob was not finite.
+        nonfinite_train (`int`): of `nan_tokens`, those whose training log-prob is not finite.
         k1_sum (`float`): `Σ -Δ` over valid tokens.
         k3_sum (`float`): `Σ (exp(Δ) - 1 - Δ)` over valid tokens.
         abs_diff_sum (`float`): `Σ |Δ|` over valid tokens.
@@ -176,6 +185,7 @@ class MismatchSums:
 
     tokens: int = 0
     nan_tokens: int = 0
+    nonfinite_train: int = 0
     k1_sum: float = 0.0
     k3_sum: float = 0.0
     abs_diff_sum: float = 0.0
@@ -226,7 +236,8 @@ def mismatch_sums(
 
     Returns:
         `MismatchSums`: the sufficient statistics, on the CPU. Tokens inside the mask whose train or vLLM
-        log-prob is not finite are excluded from every statistic and counted in `nan_tokens`; sequences
+        log-prob is not finite are excluded from every statistic and counted in `nan_tokens` (those with a
+        non-finite training log-prob also in `nonfinite_train`); sequences
         without any valid token contribute no per-sequence sum.
     """
     train = _as_2d(train_logps, "train_logps")
@@ -245,6 +256,7 @@ def mismatch_sums(
     finite = torch.isfinite(train) & torch.isfinite(infer)
     valid = in_mask & finite
     nan_tokens = int((in_mask & ~finite).sum().item())
+    nonfinite_train = int((in_mask & ~torch.isfinite(train)).sum().item()) if nan_tokens else 0
 
     train64 = torch.where(valid, train.double(), 0.0)
     infer64 = torch.where(valid, infer.double(), 0.0)
@@ -256,6 +268,7 @@ def mismatch_sums(
     if d.numel() == 0:
         return MismatchSums(
             nan_tokens=nan_tokens,
+            nonfinite_train=nonfinite_train,
             seq_log_ratios=seq_log_ratios.cpu(),
             clip_eps_low=clip_eps_low,
             clip_eps_high=clip_eps_high,
@@ -280,6 +293,7 @@ def mismatch_sums(
     return MismatchSums(
         tokens=int(d.numel()),
         nan_tokens=nan_tokens,
+        nonfinite_train=nonfinite_train,
         k1_sum=scalars[0],
         k3_sum=scalars[1],
         abs_diff_sum=scalars[2],
@@ -329,6 +343,7 @@ def merge_sums(sums_list: Sequence[MismatchSums]) -> MismatchSums:
     for s in sums_list:
         merged.tokens += s.tokens
         merged.nan_tokens += s.nan_tokens
+        merged.nonfinite_train += s.nonfinite_train
         merged.k1_sum += s.k1_sum
         merged.k3_sum += s.k3_sum
         merged.abs_diff_sum += s.abs_diff_sum
@@ -377,13 +392,14 @@ def finalize(sums: MismatchSums) -> dict[str, float]:
 
     Returns:
         `dict[str, float]`: exactly the keys of `METRIC_KEYS`, in that order. With zero valid tokens every
-        statistic is NaN, `mismatch/tokens` is 0 and `mismatch/nan_tokens` keeps its count. The two
+        statistic is NaN, `mismatch/tokens` is 0 and the non-finite counts keep theirs. The two
         `seq_log_ratio` entries are NaN when no sequence had a valid token.
     """
     n = sums.tokens
     out = {key: math.nan for key in METRIC_KEYS}
     out["mismatch/tokens"] = float(n)
     out["mismatch/nan_tokens"] = float(sums.nan_tokens)
+    out["mismatch/nonfinite_train_tokens"] = float(sums.nonfinite_train)
     if n > 0:
         out["mismatch/kl_k1"] = sums.k1_sum / n
         out["mismatch/kl_k3"] = sums.k3_sum / n
