@@ -112,6 +112,16 @@ def _score(model, sequences, engine_logps, regions, profile, backend, lanes, blo
     mask = torch.zeros(len(mine), width, dtype=torch.long)
     for i, (x, y) in enumerate(zip(mine, engine_logps)):
         a[i, : len(x)], b[i, : len(y)], mask[i, : len(x)] = x, y, 1
+    # The statistics leave non-finite tokens out, so a NaN could read as bit-identical (or, all NaN, compare False
+    # both ways): a non-finite log-prob on either side fails the check outright.
+    inside = mask != 0
+    bad = {side: int((inside & ~torch.isfinite(t)).sum()) for side, t in (("policy", a), ("engine", b))}
+    if any(bad.values()):
+        sides = " and ".join(f"{n} of {int(inside.sum())} tokens on the {side}'s side" for side, n in bad.items() if n)
+        raise ProfileMismatch(
+            f"Start-up check under profile {profile!r}: {sides} have a log-prob that is not finite (NaN or inf), so "
+            "the profile cannot be verified: the policy's forward or the engine computed NaN/inf on fixed text."
+        )
     st = metrics.token_stats(a, b, mask)
     return CandidateScore(
         profile, list(regions), float(st["mismatch/kl_k3"]), float(st["mismatch/frac_bitwise_equal"]),
