@@ -14,6 +14,9 @@ instead of once per micro-batch to bf16 precision, and no full fp32 copy of the 
 step time. Under data parallelism the fp32 sums are averaged across processes at step time
 (`reduce_gradients`, one flat all-reduce per chunk); DDP's own bf16 reduction then only sees the freed
 (zero) gradients, and the trainer turns it off with a no-op communication hook.
+
+With fp16 loss scaling (accelerate's GradScaler) the masters accumulate scaled gradients; `clip_grad_norm_(...,
+scaler=)` (or `unscale_`) reduces, unscales and, on an inf/NaN, drops them, since the scaler then skips `step()`.
 """
 
 from __future__ import annotations
@@ -196,13 +199,47 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
                 offset += g.numel()
         self._reduced = True
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Reduce, then clip the masters' fp32 gradients to `max_norm` (inf: only measure); the pre-clip norm."""
+    def unscale_(self, scaler) -> bool:
+        """Reduce, then divide the masters' gradients by `scaler`'s loss scale (a torch `GradScaler`); False on inf/NaN.
+
+        With loss scaling, call this (or `clip_grad_norm_(..., scaler=scaler)`) once per step before
+        `scaler.step(self)`. The scaler skips `step()` when it found an inf/NaN; `step()` is what consumes the masters'
+        gradients, so they are dropped here instead and the overflowed sums do not leak into the next step. Reducing
+        first gives every process the same gradients, hence the same verdict. No scaler (or a disabled one): reduce only.
+        """
+        finite = self._unscale(scaler)
+        if not finite:
+            self._drop_gradients()
+        return finite
+
+    def _unscale(self, scaler) -> bool:
         self.reduce_gradients()
+        if scaler is None or not scaler.is_enabled():
+            return True
+        scaler.unscale_(self)  # this optimizer's params are the masters: their fp32 gradients are unscaled
+        found = scaler._per_optimizer_states[id(self)]["found_inf_per_device"]
+        return not any(bool(v.item()) for v in found.values())
+
+    def _drop_gradients(self) -> None:
+        for p, m in zip(self._model_params, self._masters):
+            m.grad = None
+            p.grad = None
+        self._reduced = False
+
+    def clip_grad_norm_(self, max_norm: float, scaler=None) -> torch.Tensor:
+        """Reduce (and unscale with `scaler`, see `unscale_`), then clip the masters' fp32 gradients to `max_norm`
+        (inf: only measure). Returns the pre-clip norm of the unscaled gradients: inf/NaN on an overflow, whose step
+        the scaler skips."""
+        finite = self._unscale(scaler)
         grads = [m for m in self._masters if m.grad is not None]
         if not grads:
-            return torch.zeros(())
-        return torch.nn.utils.clip_grad_norm_(grads, max_norm)
+            norm = torch.zeros(())
+        elif finite:
+            norm = torch.nn.utils.clip_grad_norm_(grads, max_norm)
+        else:
+            norm = torch.nn.utils.get_total_norm([m.grad for m in grads])
+            self._drop_gradients()
+        return norm
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -602,17 +602,25 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
                 model._roundalign_noop_hook = True
         return super().training_step(model, inputs, num_items_in_batch)
 
+    def _loss_scaler(self):
+        """The GradScaler accelerate's optimizer wrapper steps with (fp16 on an accelerator), else None.
+
+        The masters hold loss-scaled gradients until it unscales them. The trainer clips the masters instead of
+        calling accelerate's `clip_grad_norm_` (which unscales first), so the master optimizer unscales them itself.
+        """
+        return getattr(getattr(self, "optimizer", None), "scaler", None)
+
     def _clip_grad_norm(self, model):
         opt = self._master_optimizer()
         if opt is None:
             return super()._clip_grad_norm(model)
-        return opt.clip_grad_norm_(self.args.max_grad_norm)
+        return opt.clip_grad_norm_(self.args.max_grad_norm, scaler=self._loss_scaler())
 
     def _get_grad_norm(self, model, grad_norm=None):
         opt = self._master_optimizer()
         if opt is None or grad_norm is not None:
             return super()._get_grad_norm(model, grad_norm=grad_norm)
-        return opt.clip_grad_norm_(float("inf"))
+        return opt.clip_grad_norm_(float("inf"), scaler=self._loss_scaler())
 
     # ------------------------------------------------------------------ mismatch capture
 

@@ -1,0 +1,100 @@
+"""`MasterWeightsOptimizer` beyond accumulation: loss scaling (fp16 with a GradScaler). Pure torch."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from trl_roundalign.optim import MasterWeightsOptimizer
+
+SCALE = 2.0**12  # a power of two: scaled bf16 gradients are exactly SCALE x the unscaled ones
+MAX_NORM = 1.0
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.Tanh(), torch.nn.Linear(48, 16)).to(torch.bfloat16)
+
+
+def _batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(i)
+    return torch.randn(8, 32, generator=g).to(torch.bfloat16), torch.randn(8, 16, generator=g)
+
+
+def _loss(model, x, w):
+    return (model(x).float() * w).sum()
+
+
+def _pair():
+    """A reference (no loss scaling) and a loss-scaled copy of the same model, each with fp32 masters."""
+    ref_model, model = _model(), _model()
+    ref = MasterWeightsOptimizer(list(ref_model.parameters()), torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
+    opt = MasterWeightsOptimizer(list(model.parameters()), torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
+    return ref_model, ref, model, opt, torch.amp.GradScaler("cpu", init_scale=SCALE)
+
+
+def _trainer_stub(opt, scaler, max_grad_norm):
+    """What `RoundAlignGRPOTrainer._clip_grad_norm`/`_get_grad_norm` read: accelerate's optimizer wrapper holding
+    the master optimizer and the GradScaler its `step` uses (accelerate creates one for fp16 on an accelerator)."""
+    from trl_roundalign.trainer import RoundAlignGRPOTrainer
+
+    stub = types.SimpleNamespace(
+        optimizer=types.SimpleNamespace(optimizer=opt, scaler=scaler), args=types.SimpleNamespace(max_grad_norm=max_grad_norm)
+    )
+    for name in ("_master_optimizer", "_clip_grad_norm", "_get_grad_norm", "_loss_scaler"):
+        setattr(stub, name, types.MethodType(getattr(RoundAlignGRPOTrainer, name), stub))
+    return stub
+
+
+@pytest.mark.parametrize("max_grad_norm", [MAX_NORM, 0.0], ids=["clip", "measure-only"])
+def test_loss_scaled_gradients_are_unscaled_before_clipping(max_grad_norm):
+    """fp16 with a GradScaler: after backward the masters hold S x the gradients. The trainer's clip and its logged
+    grad_norm must see the true gradients, and the update must be the unscaled run's, bit for bit."""
+    ref_model, ref, model, opt, scaler = _pair()
+    x, w = _batch(0)
+    _loss(ref_model, x, w).backward()
+    scaler.scale(_loss(model, x, w)).backward()
+    want = ref.clip_grad_norm_(max_grad_norm or float("inf"))
+    assert want > 2 * MAX_NORM, "the gradient norm must exceed max_norm (else the clip is not tested)"
+
+    trainer = _trainer_stub(opt, scaler, max_grad_norm)
+    got = trainer._clip_grad_norm(model) if max_grad_norm > 0 else trainer._get_grad_norm(model)
+    assert torch.equal(got, want), f"logged grad_norm {float(got):.4g}, true {float(want):.4g}"
+    for a, b in zip(ref.masters, opt.masters):
+        assert torch.equal(a.grad, b.grad)
+    ref.step()
+    scaler.step(opt)  # what accelerate's AcceleratedOptimizer.step does with a scaler
+    scaler.update()
+    for a, b in zip(ref_model.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+    assert all(m.grad is None for m in opt.masters)
+
+
+def test_an_overflow_skips_the_step_and_drops_its_gradients():
+    """An inf in the scaled gradients: the scaler skips `step()`, so nothing consumes the masters' gradients. They
+    must not leak into the next step, which must equal a fresh optimizer's step on the next batch alone."""
+    ref_model, ref, model, opt, scaler = _pair()
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler.scale(_loss(model, *_batch(0))).backward()
+    opt.masters[0].grad[0, 0] = float("inf")  # an overflow in the scaled backward
+    norm = opt.clip_grad_norm_(MAX_NORM, scaler=scaler)
+    assert not torch.isfinite(norm)
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() == SCALE / 2, "the scaler must have seen the overflow and backed off"
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters())), "the step must be skipped"
+    assert not opt.state, "AdamW must not have stepped"
+    assert all(m.grad is None for m in opt.masters), "the skipped step's gradients must be dropped"
+
+    x, w = _batch(1)
+    _loss(ref_model, x, w).backward()
+    ref.clip_grad_norm_(MAX_NORM)
+    ref.step()
+    scaler.scale(_loss(model, x, w)).backward()
+    opt.clip_grad_norm_(MAX_NORM, scaler=scaler)
+    scaler.step(opt)
+    scaler.update()
+    for a, b in zip(ref_model.parameters(), model.parameters()):
+        assert torch.equal(a, b)
