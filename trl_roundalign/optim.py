@@ -13,7 +13,8 @@ with `gradient_accumulation_steps=k` the sum is rounded once per micro-batch to 
 instead of once per micro-batch to bf16 precision, and no full fp32 copy of the gradients is made at
 step time. Under data parallelism the fp32 sums are averaged across processes at step time
 (`reduce_gradients`, one flat all-reduce per chunk); DDP's own bf16 reduction then only sees the freed
-(zero) gradients, and the trainer turns it off with a no-op communication hook.
+(zero) gradients, and the trainer turns it off with a no-op communication hook. A master that has a gradient on
+no process stays without one, so the inner optimizer skips it as it does in one process.
 
 With fp16 loss scaling (accelerate's GradScaler) the masters accumulate scaled gradients; `clip_grad_norm_(...,
 scaler=)` (or `unscale_`) reduces, unscales and, on an inf/NaN, drops them, since the scaler then skips `step()`.
@@ -177,9 +178,18 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
             self._reduced = True
             return
         world = dist.get_world_size(group)
-        # Every rank must reduce the same tensors in the same order: a master without a gradient adds zeros.
+        if not self._masters:
+            self._reduced = True
+            return
+        # Every rank must reduce the same tensors in the same order. A master with a gradient on some rank gets zeros
+        # where it has none; one without a gradient on every rank (an unused MoE expert, say) stays without one, so
+        # the inner optimizer skips it (no momentum, no weight decay) as it does in one process.
+        has = torch.tensor([m.grad is not None for m in self._masters], dtype=torch.int32, device=self._masters[0].device)
+        dist.all_reduce(has, op=dist.ReduceOp.MAX, group=group)
         grads = []
-        for m in self._masters:
+        for m, anywhere in zip(self._masters, has.tolist()):
+            if not anywhere:
+                continue
             if m.grad is None:
                 m.grad = torch.zeros_like(m)
             grads.append(m.grad)

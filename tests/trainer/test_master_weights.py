@@ -1,11 +1,15 @@
-"""`MasterWeightsOptimizer` beyond accumulation: loss scaling (fp16 with a GradScaler). Pure torch."""
+"""`MasterWeightsOptimizer` beyond accumulation: loss scaling, data parallelism with absent gradients. Pure torch."""
 
 from __future__ import annotations
 
+import os
+import tempfile
 import types
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from trl_roundalign.optim import MasterWeightsOptimizer
 
@@ -98,3 +102,54 @@ def test_an_overflow_skips_the_step_and_drops_its_gradients():
     scaler.update()
     for a, b in zip(ref_model.parameters(), model.parameters()):
         assert torch.equal(a, b)
+
+
+def _absent_grads_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        shared, rank0_only, unused = (torch.nn.Linear(8, 8).to(torch.bfloat16) for _ in range(3))
+        params = [*shared.parameters(), *rank0_only.parameters(), *unused.parameters()]
+        before = [p.detach().clone() for p in params]
+        opt = MasterWeightsOptimizer(params, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
+        y = shared(x)
+        if rank == 0:  # e.g. an MoE expert only rank 0's tokens were routed to
+            y = rank0_only(y)
+        y.float().square().sum().backward()
+        opt.reduce_gradients()
+        grads = [None if m.grad is None else m.grad.clone() for m in opt.masters]
+        opt.step()
+        torch.save(
+            {
+                "grads": grads,
+                "moved": [not torch.equal(b, p) for b, p in zip(before, params)],
+                "state": [m in opt.state for m in opt.masters],
+                "params": [p.detach().clone() for p in params],
+            },
+            os.path.join(out_dir, f"rank{rank}.pt"),
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_master_without_a_gradient_on_every_rank_is_skipped(tmp_path):
+    """Two gloo processes. A master no rank has a gradient for stays without one, so AdamW skips it (no decay, no
+    state), as one process does; a master only one rank has a gradient for gets the mean with zeros elsewhere."""
+    world = 2
+    with tempfile.NamedTemporaryFile(dir=tmp_path, delete=False) as f:
+        init_file = f.name
+    os.remove(init_file)
+    mp.start_processes(_absent_grads_worker, args=(world, init_file, str(tmp_path)), nprocs=world, start_method="spawn")
+    got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    shared, rank0_only, unused = slice(0, 2), slice(2, 4), slice(4, 6)
+    for r in range(world):
+        assert got[r]["grads"][unused] == [None, None], f"rank {r}: absent everywhere must stay absent"
+        assert got[r]["moved"][unused] == [False, False], f"rank {r}: AdamW decayed parameters without a gradient"
+        assert got[r]["state"][unused] == [False, False]
+        assert all(g is not None for g in got[r]["grads"][shared] + got[r]["grads"][rank0_only])
+        assert all(got[r]["moved"][shared] + got[r]["moved"][rank0_only])
+    for a, b in zip(got[0]["grads"], got[1]["grads"]):
+        assert (a is None and b is None) or torch.equal(a, b)
+    for a, b in zip(got[0]["params"], got[1]["params"]):
+        assert torch.equal(a, b), "ranks must stay identical"
