@@ -44,7 +44,8 @@ def distributed_master_weights(
         mixed_precision: accelerate's mixed precision (`"no"`, `"bf16"`, `"fp16"`).
         deepspeed_config: the DeepSpeed config in use (its `bf16`/`fp16` sections; `"auto"` follows
             `mixed_precision`, as the HF integration resolves it).
-        fsdp_param_dtype: the FSDP mixed-precision policy's `param_dtype`, when one is set.
+        fsdp_param_dtype: the FSDP mixed-precision policy's `param_dtype`, when one is set. It only names the
+            compute dtype in the reason: whether accelerate upcasts to fp32 follows `mixed_precision` alone.
 
     Returns:
         `(engine, keeps, why)`: engine `"DeepSpeed"`, `"FSDP"` or None (no such engine: DDP or one process);
@@ -62,8 +63,16 @@ def distributed_master_weights(
             return "DeepSpeed", True, "DeepSpeed's bf16/fp16 mode keeps fp32 master weights in its optimizer"
         return "DeepSpeed", False, "the DeepSpeed config enables neither bf16 nor fp16, so it keeps no fp32 master weights"
     if "FSDP" in dt:
-        if mixed_precision in ("bf16", "fp16") or fsdp_param_dtype in (torch.bfloat16, torch.float16):
+        # accelerate 1.x upcasts trainable parameters to fp32 exactly when its mixed_precision is not "no"
+        # (FSDP1: `Accelerator.prepare_model`; FSDP2: `fsdp2_prepare_model`), whatever the policy's param_dtype,
+        # which only sets the dtype FSDP casts to for the forward and backward.
+        if mixed_precision not in ("no", "None", ""):
             return "FSDP", True, "with mixed precision accelerate upcasts the parameters to fp32 before FSDP shards them"
+        if fsdp_param_dtype is not None:
+            return "FSDP", False, (
+                f"accelerate's mixed_precision is 'no', so it does not upcast the parameters to fp32 (a param_dtype of "
+                f"{fsdp_param_dtype} only sets FSDP's compute dtype) and the optimizer steps the bf16 shards"
+            )
         return "FSDP", False, "FSDP without mixed precision shards the bf16 parameters as they are (no fp32 copy)"
     return None, False, ""
 

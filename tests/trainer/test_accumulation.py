@@ -153,7 +153,11 @@ def test_zero3_and_fsdp2_precision_is_read_from_their_settings():
     assert distributed_master_weights("FSDP", cfg["mixed_precision"])[:2] == ("FSDP", True)
     engine, keeps, why = distributed_master_weights("DistributedType.FSDP", "no")
     assert (engine, keeps) == ("FSDP", False) and "no fp32 copy" in why
-    assert distributed_master_weights("FSDP", "no", fsdp_param_dtype=torch.bfloat16)[1] is True
+    # accelerate upcasts to fp32 only when its mixed_precision is on; a bf16 param_dtype alone sets the compute
+    # dtype and leaves the optimizer stepping bf16 shards (test_master_weights.py runs accelerate's own code).
+    engine, keeps, why = distributed_master_weights("FSDP", "no", fsdp_param_dtype=torch.bfloat16)
+    assert (engine, keeps) == ("FSDP", False) and "param_dtype" in why
+    assert distributed_master_weights("FSDP", "fp16", fsdp_param_dtype=torch.float16)[1] is True
     assert distributed_master_weights("MULTI_CPU", "no") == (None, False, "")
 
 

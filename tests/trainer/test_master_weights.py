@@ -1,8 +1,11 @@
-"""`MasterWeightsOptimizer` beyond accumulation: loss scaling, data parallelism with absent gradients. Pure torch."""
+"""`MasterWeightsOptimizer` beyond accumulation: loss scaling, data parallelism with absent gradients, which
+distributed settings keep fp32 masters (accelerate's own FSDP2 preparation)."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import tempfile
 import types
 
@@ -153,3 +156,41 @@ def test_ddp_master_without_a_gradient_on_every_rank_is_skipped(tmp_path):
         assert (a is None and b is None) or torch.equal(a, b)
     for a, b in zip(got[0]["params"], got[1]["params"]):
         assert torch.equal(a, b), "ranks must stay identical"
+
+
+_FSDP2_PROBE = r"""
+import sys, types, torch, torch.distributed as dist
+from accelerate import PartialState
+from accelerate.utils import FullyShardedDataParallelPlugin
+from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+from trl_roundalign.optim import distributed_master_weights
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+PartialState(cpu=True)
+for mixed in ("no", "bf16", "fp16"):
+    policy = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32, "output_dtype": torch.bfloat16}
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, mixed_precision_policy=policy)
+    acc = types.SimpleNamespace(state=types.SimpleNamespace(fsdp_plugin=plugin), mixed_precision=mixed,
+                                is_main_process=True, torch_device_mesh=None, device=torch.device("cpu"))
+    model = fsdp2_prepare_model(acc, torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)).to(torch.bfloat16))
+    dtypes = sorted({str(p.to_local().dtype) for p in model.parameters()})
+    keeps = distributed_master_weights("DistributedType.FSDP", mixed, fsdp_param_dtype=torch.bfloat16)[1]
+    print(mixed, ",".join(dtypes), keeps)
+dist.destroy_process_group()
+"""
+
+
+def test_fsdp_keeps_fp32_masters_exactly_when_accelerate_upcasts(tmp_path):
+    """accelerate's own `fsdp2_prepare_model` (one gloo process) on a bf16 model with a bf16 `param_dtype` policy:
+    the sharded parameters the optimizer steps are fp32 only with mixed precision on, whatever `param_dtype` says;
+    `distributed_master_weights` must give the same answer."""
+    script = tmp_path / "fsdp2_probe.py"
+    script.write_text(_FSDP2_PROBE)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "store")], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line.split() for line in out.stdout.splitlines() if line.split()[:1] in (["no"], ["bf16"], ["fp16"])]
+    assert [r[:2] for r in rows] == [["no", "torch.bfloat16"], ["bf16", "torch.float32"], ["fp16", "torch.float32"]]
+    for mixed, dtype, keeps in rows:
+        assert keeps == str(dtype == "torch.float32"), f"mixed_precision={mixed}: parameters {dtype}, keeps={keeps}"
