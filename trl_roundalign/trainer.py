@@ -565,7 +565,8 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
     def create_optimizer(self, model=None):
         optimizer = super().create_optimizer(model) if "model" in inspect.signature(super().create_optimizer).parameters else super().create_optimizer()
         low = self._has_low_precision_params()
-        if not low or isinstance(optimizer, MasterWeightsOptimizer):
+        # A second train() finds accelerate's AcceleratedOptimizer around the master optimizer: reuse it as it is.
+        if not low or isinstance(getattr(optimizer, "optimizer", optimizer), MasterWeightsOptimizer):
             return optimizer
         engine, keeps, why = _distributed_precision(getattr(self, "accelerator", None))
         if engine is not None:

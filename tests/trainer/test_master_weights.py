@@ -1,5 +1,5 @@
 """`MasterWeightsOptimizer` beyond accumulation: loss scaling, data parallelism with absent gradients, which
-distributed settings keep fp32 masters (accelerate's own FSDP2 preparation)."""
+distributed settings keep fp32 masters (accelerate's own FSDP2 preparation), and a trainer trained twice (with vLLM)."""
 
 from __future__ import annotations
 
@@ -194,3 +194,30 @@ def test_fsdp_keeps_fp32_masters_exactly_when_accelerate_upcasts(tmp_path):
     assert [r[:2] for r in rows] == [["no", "torch.bfloat16"], ["bf16", "torch.float32"], ["fp16", "torch.float32"]]
     for mixed, dtype, keeps in rows:
         assert keeps == str(dtype == "torch.float32"), f"mixed_precision={mixed}: parameters {dtype}, keeps={keeps}"
+
+
+@pytest.mark.vllm
+def test_a_second_train_keeps_the_master_optimizer(tmp_path, closing):
+    """`train()` twice on one trainer: the second finds accelerate's wrapper around the master optimizer and must
+    reuse it (one set of fp32 masters), not wrap the wrapper."""
+    from trainer_helpers import make_config, varied_reward  # tests/trainer is on sys.path
+
+    from trl_roundalign import RoundAlignGRPOTrainer
+    from trl_roundalign.data import arithmetic_dataset
+    from trl_roundalign.local_models import tiny_model
+
+    args = make_config(tmp_path, max_steps=1, learning_rate=1e-5, roundalign_regions=[])
+    trainer = closing(
+        RoundAlignGRPOTrainer(
+            model=str(tiny_model("llama")), reward_funcs=varied_reward, args=args, train_dataset=arithmetic_dataset("train[:8]")
+        )
+    )
+    trainer.train()
+    first = trainer._master_optimizer()
+    assert isinstance(first, MasterWeightsOptimizer)
+    masters = [m.detach().clone() for m in first.masters]
+    trainer.train()
+    assert trainer._master_optimizer() is first
+    assert trainer.optimizer.optimizer is first, "accelerate's wrapper must hold the master optimizer itself"
+    assert any(not torch.equal(a, m) for a, m in zip(masters, first.masters)), "the second train() must step the masters"
+    trainer.close()
