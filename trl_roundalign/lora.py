@@ -6,12 +6,14 @@ every sync moves the "frozen" base (and the reference model, which is the base w
 
 `lossless_peft_params` yields what TRL's merge would send, computed out of place: for each LoRA layer the
 merged weight `r(f(W) + f(d))` with PEFT's own `get_delta_weight` (the bits PEFT's in-place `W += d` gives),
-one layer at a time, and the base weights are never written. Vanilla LoRA only: variants (DoRA, ...) are
-refused by `check_lossless_supported`.
+one layer at a time, and the base weights are never written; with `lora_bias=True` the base bias is sent as
+`r(b + s b_B)`, PEFT's merge of the adapter's bias. Vanilla LoRA only: variants (DoRA, ...), and an adapter bias on
+a layer without a base bias (which PEFT cannot merge), are refused by `check_lossless_supported`.
 
 `merged_lora_forward` makes the trainer compute what vLLM runs after that sync: `x @ r(W + ΔW)^T`, one
 GEMM with the merged weight (materialised for one layer at a time, in the forward and again in the backward,
-never kept), instead of PEFT's `W x + s B(A x)`; gradients reach A and B through the merge (`_MergedLinear`).
+never kept), and the merged bias, instead of PEFT's `W x + s B(A x)`; gradients reach A and B (and B's bias)
+through the merge (`_MergedLinear`).
 """
 
 from __future__ import annotations
@@ -44,6 +46,11 @@ def check_lossless_supported(model) -> None:
                 f"LoRA variant adapters ({', '.join(variants)}: e.g. DoRA) are not supported by trl-roundalign's lossless "
                 "weight sync; use plain LoRA (use_dora=False)."
             )
+        if any((getattr(layer, "lora_bias", {}) or {}).values()) and getattr(layer.get_base_layer(), "bias", None) is None:
+            raise ValueError(
+                f"lora_bias=True on a {type(layer.get_base_layer()).__name__} without a bias: PEFT cannot merge the adapter's "
+                "bias, so vLLM could never receive it. Use lora_bias=False, or target only layers that have a bias."
+            )
 
 
 def _active(layer) -> list[str]:
@@ -62,6 +69,22 @@ def _merged_weight(layer, adapters: list[str]) -> torch.Tensor:
     weight = layer.get_base_layer().weight
     with torch.no_grad(), torch.autocast(weight.device.type, enabled=False):
         return _merged(weight, [layer.get_delta_weight(a) for a in adapters])
+
+
+def _bias_adapters(layer, adapters: list[str]) -> list[str]:
+    """The adapters whose `lora_B` has a bias (`lora_bias=True`), which PEFT's merge adds into the base bias."""
+    return [a for a in adapters if layer.lora_bias.get(a, False)]
+
+
+def _merged_bias(layer, adapters: list[str]) -> torch.Tensor | None:
+    """`r(b + s b_B)` of one LoRA layer, the bits PEFT's in-place merge writes into the base bias (`base.bias` when
+    no adapter has a bias), without writing them; autocast off as in `_merged_weight`."""
+    bias = getattr(layer.get_base_layer(), "bias", None)
+    with_bias = _bias_adapters(layer, adapters)
+    if bias is None or not with_bias:
+        return bias
+    with torch.no_grad(), torch.autocast(bias.device.type, enabled=False):
+        return _merged(bias, [layer.lora_B[a].bias * layer.scaling[a] for a in with_bias])
 
 
 def _merged(data: torch.Tensor, deltas: list[torch.Tensor]) -> torch.Tensor:
@@ -84,7 +107,7 @@ def lossless_peft_params(vllm_generation):
         if not adapters:
             continue
         weight_deltas[id(base.weight)] = (layer, adapters)
-        if any(layer.lora_bias.get(a, False) for a in adapters) and getattr(base, "bias", None) is not None:
+        if _bias_adapters(layer, adapters) and getattr(base, "bias", None) is not None:
             bias_deltas[id(base.bias)] = (layer, adapters)
     with vllm_generation._dist.gather_params(list(model.parameters())):
         for name, param in model.named_parameters():
@@ -97,9 +120,7 @@ def lossless_peft_params(vllm_generation):
                 if id(param) in weight_deltas:
                     data = _merged_weight(*weight_deltas[id(param)])
                 elif id(param) in bias_deltas:
-                    layer, adapters = bias_deltas[id(param)]
-                    deltas = [layer.lora_B[a].bias * layer.scaling[a] for a in adapters if layer.lora_bias.get(a, False)]
-                    data = _merged(data, deltas)
+                    data = _merged_bias(*bias_deltas[id(param)])
             yield name, data
 
 
@@ -123,21 +144,22 @@ def install_lossless_peft_sync(vllm_generation) -> bool:
 
 
 class _MergedLinear(torch.autograd.Function):
-    """`x @ r(W + ΔW)^T + b` with `ΔW = s B A` as PEFT computes it; gradients reach A and B.
+    """`x @ r(W + ΔW)^T + r(b + Δb)` with `ΔW = s B A` and `Δb = s b_B` as PEFT merges them; gradients reach A, B
+    and, with `lora_bias=True`, B's bias.
 
     The rounding of the merge is treated as the identity in the backward (the weight's gradient is the
-    gradient of a linear layer, `dW = dy^T x`), then `dB = s dW A^T`, `dA = s B^T dW`, in fp32 and without
-    forming `dW`.
+    gradient of a linear layer, `dW = dy^T x`), then `dB = s dW A^T`, `dA = s B^T dW`, `db_B = s sum(dy)`, in fp32
+    and without forming `dW`.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, layer, adapters, *lora_weights):
+    def forward(ctx, x, weight, bias, layer, adapters, *lora_params):
         merged = _merged_weight(layer, adapters)
         # The merged weight is not saved: the backward recomputes it (the same bits: A, B and W do not change
         # between a forward and its backward), so no layer's merged copy outlives its own GEMM.
-        ctx.save_for_backward(x, *lora_weights)
+        ctx.save_for_backward(x, *lora_params)
         ctx.layer, ctx.adapters, ctx.has_bias = layer, adapters, bias is not None
-        return torch.nn.functional.linear(x, merged, bias)
+        return torch.nn.functional.linear(x, merged, _merged_bias(layer, adapters))
 
     @staticmethod
     def backward(ctx, dy):
@@ -146,7 +168,7 @@ class _MergedLinear(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, dy):
-        x, *lora_weights = ctx.saved_tensors
+        x, *lora_params = ctx.saved_tensors
         layer, adapters = ctx.layer, ctx.adapters
         merged = _merged_weight(layer, adapters)
         dx = dy @ merged
@@ -157,10 +179,14 @@ class _MergedLinear(torch.autograd.Function):
         xf = x.reshape(-1, x.shape[-1]).float()
         grads = []
         for i, a in enumerate(adapters):
-            wa, wb = lora_weights[2 * i], lora_weights[2 * i + 1]
+            wa, wb = lora_params[2 * i], lora_params[2 * i + 1]
             s = layer.scaling[a]
             grads.append((s * ((dyf @ wb.float()).t() @ xf)).to(wa.dtype))  # dA [r, in]
             grads.append((s * (dyf.t() @ (xf @ wa.float().t()))).to(wb.dtype))  # dB [out, r]
+        bias_params = lora_params[2 * len(adapters) :]
+        if bias_params:
+            dsum = dyf.sum(0)
+            grads += [(layer.scaling[a] * dsum).to(bb.dtype) for a, bb in zip(_bias_adapters(layer, adapters), bias_params)]
         return (dx, None, dbias, None, None, *grads)
 
 
@@ -178,11 +204,12 @@ def merged_lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
                     f"lora_dropout={p}: the merged-weight LoRA forward cannot drop inputs of the adapter path alone. Set "
                     "lora_dropout=0 in the LoraConfig, or roundalign_lora_forward='peft' (the forward then differs from vLLM's)."
                 )
-    lora_weights = []
+    lora_params = []
     for a in adapters:
-        lora_weights += [self.lora_A[a].weight, self.lora_B[a].weight]
+        lora_params += [self.lora_A[a].weight, self.lora_B[a].weight]
+    lora_params += [self.lora_B[a].bias for a in _bias_adapters(self, adapters)]  # lora_bias=True
     x = x.to(base.weight.dtype)
-    return _MergedLinear.apply(x, base.weight, base.bias, self, adapters, *lora_weights)
+    return _MergedLinear.apply(x, base.weight, base.bias, self, adapters, *lora_params)
 
 
 def install_merged_lora_forward(model) -> int:

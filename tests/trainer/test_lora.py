@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import types
 
 import pytest
 import torch
 
 peft = pytest.importorskip("peft")
 
-from trl_roundalign.lora import install_merged_lora_forward  # noqa: E402
+from trl_roundalign.lora import install_merged_lora_forward, lossless_peft_params  # noqa: E402
 
 
 def _lora_mlp(seed: int = 0, dropout: float = 0.0):
@@ -78,3 +80,58 @@ def test_merged_forward_refuses_lora_dropout_in_training():
         model(torch.randn(2, 48).to(torch.bfloat16))
     model.eval()
     model(torch.randn(2, 48).to(torch.bfloat16))  # dropout is inactive in eval: allowed
+
+
+def _lora_bias_linear(base_bias: bool = True):
+    torch.manual_seed(3)
+    base = torch.nn.Sequential()
+    base.add_module("up", torch.nn.Linear(16, 8, bias=base_bias))
+    model = peft.get_peft_model(base.to(torch.bfloat16), peft.LoraConfig(r=2, lora_alpha=4, target_modules=["up"], lora_bias=True))
+    layer = model.base_model.model.up
+    with torch.no_grad():
+        torch.nn.init.normal_(layer.lora_A["default"].weight, std=0.3)
+        torch.nn.init.normal_(layer.lora_B["default"].weight, std=0.3)
+        layer.lora_B["default"].bias.fill_(1.0)  # s = 2: PEFT's output (and vLLM's bias after the sync) moves by 2
+    return model, layer
+
+
+def test_merged_forward_includes_and_trains_the_lora_bias():
+    """lora_bias=True: the sync sends vLLM r(b + s b_B); the merged forward must add the same bias, and the adapter
+    bias must get its gradient s * sum(dy)."""
+    model, layer = _lora_bias_linear()
+    x = torch.randn(5, 16).to(torch.bfloat16)
+    merged_copy = copy.deepcopy(model)
+    merged_copy.merge_adapter()
+    want = merged_copy(x)
+    stub = types.SimpleNamespace(
+        model=model,
+        _dist=types.SimpleNamespace(gather_params=lambda params: contextlib.nullcontext()),
+        _fix_param_name_to_vllm=lambda name, extra_prefixes=None: name,
+    )
+    sent = dict(lossless_peft_params(stub))
+    assert torch.equal(sent["up.bias"], merged_copy.base_model.model.up.base_layer.bias), "the sync's merged bias"
+    dy = torch.randn(5, 8)
+    peft_out = model(x)
+    (peft_out.float() * dy).sum().backward()
+    peft_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad(set_to_none=True)
+
+    install_merged_lora_forward(model)
+    got = model(x)
+    assert torch.equal(got, want), f"off by {(got.float() - want.float()).abs().max().item():.3g}: the adapter bias is missing"
+    (got.float() * dy).sum().backward()
+    bias = layer.lora_B["default"].bias
+    assert bias.grad is not None, "the adapter bias must train"
+    s = layer.scaling["default"]
+    assert torch.allclose(bias.grad, s * dy.to(torch.bfloat16).float().sum(0), rtol=1e-6, atol=1e-6)
+    assert torch.allclose(bias.grad, peft_grads["base_model.model.up.lora_B.default.bias"], rtol=1e-5, atol=1e-5)
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            assert p.grad is not None, n
+
+
+def test_lora_bias_on_a_base_without_bias_is_refused():
+    """PEFT cannot merge an adapter bias into a base layer without one, so vLLM could never receive it."""
+    model, _ = _lora_bias_linear(base_bias=False)
+    with pytest.raises(ValueError, match="lora_bias=True"):
+        install_merged_lora_forward(model)
