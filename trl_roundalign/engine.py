@@ -26,7 +26,13 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ._compat import apply_vllm_cpu_weight_sync_fix, is_vllm_cpu, vllm_cpu_weight_sync_fix_applied
+from ._compat import (
+    apply_vllm_cpu_weight_sync_fix,
+    dispatched_block_rows,
+    is_vllm_cpu,
+    reset_dispatched_block_rows,
+    vllm_cpu_weight_sync_fix_applied,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -166,6 +172,7 @@ def build_llm(
     cache_tag: str = "",
     weight_sync_fix: bool = True,
     piecewise: bool = False,
+    gemm_block_rows: int | str | None = "auto",
     **llm_kwargs,
 ):
     """Build an in-process `vllm.LLM` the way the project scores and trains with it.
@@ -180,6 +187,10 @@ def build_llm(
         piecewise: compile the way vLLM does on CUDA (`mode=VLLM_COMPILE`, graph split at the attention
             ops). On vLLM-CPU this needs `_compat.vllm_cpu_piecewise` (applied here) and
             `compile_sizes=[]` (set here): vLLM-CPU otherwise compiles one whole graph.
+        gemm_block_rows: how the engine's linears compute (`trl_roundalign.gemm`): `"auto"` measures this
+            machine's GEMM for the model's shapes and uses the row-block schedule only where it is batch-variant
+            (Intel AMX), an int sets it (0: plain `F.linear`), None keeps this process's setting. Recorded as
+            `llm._roundalign_gemm_block_rows` and in `engine_info`; the training side computes the same way.
         **llm_kwargs: passed to `vllm.LLM` (e.g. `compilation_config`, `gpu_memory_utilization`).
 
     Returns:
@@ -207,11 +218,44 @@ def build_llm(
     root = engine_cache_root("-".join(t for t in (tag, cache_tag) if t))
     if max_model_len is not None:
         llm_kwargs["max_model_len"] = max_model_len
+    if weight_sync_fix and is_vllm_cpu() and gemm_block_rows is not None:
+        _set_engine_block_rows(model, gemm_block_rows, llm_kwargs.get("max_num_batched_tokens"))
+    reset_dispatched_block_rows()
     with scoped_cache_root(root), fresh_rope_cache(), engine_build_context(llm_kwargs.get("compilation_config")):
         llm = LLM(model=str(model), enforce_eager=enforce_eager, seed=seed, **llm_kwargs)
     llm._roundalign_cache_root = root
+    llm._roundalign_gemm_block_rows = dispatched_block_rows()
     record_inductor_dir(llm)
     return llm
+
+
+# Rows up to which `gemm_block_rows="auto"` measures: every call of the engines the project builds (prefill chunks,
+# decode batches) and of the trainer's scoring stays within the row counts where oneDNN's kernel choice was seen to
+# change (1-800); the start-up check and the exactness tests then verify the bits at the sizes used.
+AUTO_MEASURE_ROWS = 1024
+
+
+def _set_engine_block_rows(model, requested: int | str, max_batched_tokens: int | None) -> int:
+    """Decide and set (`gemm.set_block_rows`) the row-block size the engine about to be built computes with."""
+    from . import gemm
+
+    if requested != "auto":
+        gemm.set_block_rows(int(requested))
+        return int(requested)
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(model))
+    rows_max = min(int(max_batched_tokens or AUTO_MEASURE_ROWS), AUTO_MEASURE_ROWS)
+    try:
+        rows, report = gemm.choose_block_rows(config, rows_max)
+    except ValueError as e:
+        logger.warning("%s The engine computes with plain F.linear; exact mode will not reproduce it.", e)
+        rows = 0
+    else:
+        if rows:
+            logger.info("GEMM here: %s; the engine computes in row blocks of %d", report.summary(), rows)
+    gemm.set_block_rows(rows)
+    return rows
 
 
 def piecewise_compilation_config(config: dict | None = None) -> dict:
@@ -307,6 +351,9 @@ class EngineInfo:
     cpu_isa: str | None = None
     # The engine's context length: it decides LongRoPE's factor set (long when above the original length).
     max_model_len: int | None = None
+    # The row-block size its linears compute with (`trl_roundalign.gemm`; 0: plain F.linear; None: vLLM's own
+    # kernels, or not known).
+    gemm_block_rows: int | None = None
 
     @property
     def compiled(self) -> bool:
@@ -386,6 +433,7 @@ def engine_info(llm_or_config) -> EngineInfo:
         inductor_dir=getattr(llm_or_config, "_roundalign_inductor_dir", None),
         cpu_isa=isa[0] if isa else None,
         max_model_len=int(cfg.model_config.max_model_len),
+        gemm_block_rows=getattr(llm_or_config, "_roundalign_gemm_block_rows", None),
     )
 
 

@@ -1,0 +1,412 @@
+"""Batch-invariant linear layers: measured on the running machine, and made so where its GEMM is not.
+
+A linear layer is *batch-invariant* when each row of `x @ W.T` gets the same bits whatever the number of rows
+computed in the same call. Exact mode needs it: the engine computes a token's row among 1 (decode) to thousands
+(prefill) of rows, the trainer among `batch x length`, and the two must agree bit for bit.
+
+Whether it holds is a property of the machine's GEMM, not of the model, so it is measured, never assumed
+(`measure_batch_invariance`). Measured with torch 2.13.0+cpu (oneDNN's bf16 matmul):
+
+- AMD AVX2 and AMD AVX-512 (no AMX): invariant at the shapes the project's tests and SmolLM2 use;
+- Intel Xeon with AMX: *not* invariant. oneDNN picks its kernel by the row count M, and rows of one input
+  get other bits at other M (SmolLM2's 1536 x 576 down projection: M = 33-341 and 417-575 differ from
+  M = 4096; K x N = 864 x 320: M = 95-319; the lm_head 576 x 49152 from M = 36), for up to ~2e-4 of outputs.
+  The thread count does not matter (1 and 2 threads gave the same bits at every M tried).
+  docs/numerics.md ("Batch-invariant GEMMs") has the evidence.
+
+The remedy kept here: a **fixed row-block schedule** (`row_blocked_linear`). Every call, on both sides, computes
+its rows in blocks of exactly `block_rows` rows (the last block zero-padded), so every row is computed by a
+GEMM of the same shape whatever the call's length, and its bits do not depend on its neighbours. The engine
+gets it through the package's vLLM-CPU GEMM dispatcher (`_compat`), the trainer through its `nn.Linear`
+modules (`install_row_blocked_linears`) and the merged LoRA forward. It keeps oneDNN's AMX kernels; capping
+oneDNN's ISA (`ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`) also gives invariance but ran the same GEMMs ~10x slower
+(bench/bench_gemm.py, docs/cost.md).
+
+The schedule is a process setting, `ROUNDALIGN_GEMM_BLOCK_ROWS` (0 or unset: plain `F.linear`), so that engine
+processes started from this one inherit it. Backward passes use ordinary matrix products (the gradient is not
+part of the bitwise claim).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "DEFAULT_BLOCK_ROWS",
+    "ENV_BLOCK_ROWS",
+    "BatchInvarianceReport",
+    "block_rows",
+    "install_row_blocked_linears",
+    "linear",
+    "linear_shapes",
+    "measure_batch_invariance",
+    "remove_row_blocked_linears",
+    "row_blocked_linear",
+    "row_counts",
+    "set_block_rows",
+]
+
+ENV_BLOCK_ROWS = "ROUNDALIGN_GEMM_BLOCK_ROWS"
+# Chosen by bench/bench_gemm.py on the AMX machine: 64 rows cost 1.6-2.1x plain F.linear at decode sizes and
+# 1.5-2.9x at 512-2048 rows (128 rows: 2.0-2.7x and 1.3-1.9x). Exact mode pays it only where the GEMM is variant.
+DEFAULT_BLOCK_ROWS = 64
+
+
+def block_rows() -> int:
+    """This process's row-block size: 0 means plain `F.linear` (the GEMM is used as it is)."""
+    raw = os.environ.get(ENV_BLOCK_ROWS, "").strip()
+    if not raw:
+        return 0
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{ENV_BLOCK_ROWS}={raw!r}: give a whole number of rows (0 turns row blocks off).") from None
+    if value < 0:
+        raise ValueError(f"{ENV_BLOCK_ROWS}={raw!r}: give a whole number of rows >= 0 (0 turns row blocks off).")
+    return value
+
+
+def set_block_rows(rows: int) -> None:
+    """Set this process's row-block size (inherited by engine processes it starts); 0 turns row blocks off."""
+    if int(rows) < 0:
+        raise ValueError(f"block rows must be >= 0, got {rows}")
+    os.environ[ENV_BLOCK_ROWS] = str(int(rows))
+
+
+# ------------------------------------------------------------------------------------------------
+# The op
+# ------------------------------------------------------------------------------------------------
+
+
+def _blocked_2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
+    m, k = x.shape
+    n = weight.shape[0]
+    nblocks = (m + rows - 1) // rows
+    out = torch.empty(nblocks * rows, n, dtype=x.dtype, device=x.device)
+    wt = weight.t()
+    full = (m // rows) * rows
+    for s in range(0, full, rows):
+        if bias is None:
+            torch.mm(x[s : s + rows], wt, out=out[s : s + rows])
+        else:
+            torch.addmm(bias, x[s : s + rows], wt, out=out[s : s + rows])
+    if full < m:
+        tail = x.new_zeros(rows, k)
+        tail[: m - full] = x[full:]
+        if bias is None:
+            torch.mm(tail, wt, out=out[full:])
+        else:
+            torch.addmm(bias, tail, wt, out=out[full:])
+    return out[:m]
+
+
+@torch.library.custom_op("roundalign::row_blocked_linear", mutates_args=())
+def row_blocked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block_rows: int) -> torch.Tensor:
+    """`x @ weight.T + bias` computed in blocks of exactly `block_rows` rows (the last one zero-padded).
+
+    A row's bits then depend only on the row, the weight and `block_rows`, not on how many rows share the call.
+    One op for torch.compile (the engine's compiled graph calls it as an opaque kernel) and for autograd.
+    """
+    if block_rows <= 0:
+        raise ValueError(f"row_blocked_linear needs block_rows > 0, got {block_rows}")
+    if x.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
+        raise TypeError(
+            f"row_blocked_linear computes in one dtype; got x {x.dtype}, weight {weight.dtype}"
+            + (f", bias {bias.dtype}" if bias is not None else "")
+        )
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    out = _blocked_2d(x2, weight, bias, block_rows)
+    return out.reshape(*lead, weight.shape[0])
+
+
+@row_blocked_linear.register_fake
+def _(x, weight, bias, block_rows):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, _rows = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.has_bias = bias is not None
+
+
+def _backward(ctx, grad):
+    x, weight = ctx.saved_tensors
+    g2 = grad.reshape(-1, grad.shape[-1])
+    grad_x = grad_w = grad_b = None
+    if ctx.needs_input_grad[0]:
+        grad_x = g2.mm(weight).reshape(x.shape)
+    if ctx.needs_input_grad[1]:
+        grad_w = g2.t().mm(x.reshape(-1, x.shape[-1]))
+    if ctx.has_bias and ctx.needs_input_grad[2]:
+        grad_b = g2.sum(0)
+    return grad_x, grad_w, grad_b, None
+
+
+row_blocked_linear.register_autograd(_backward, setup_context=_setup_context)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, rows: int | None = None) -> torch.Tensor:
+    """`F.linear`, or the row-blocked schedule when `rows` (None: this process's `block_rows()`) is positive."""
+    rows = block_rows() if rows is None else rows
+    if rows <= 0:
+        return F.linear(x, weight, bias)
+    return row_blocked_linear(x, weight, bias, rows)
+
+
+# ------------------------------------------------------------------------------------------------
+# The trainer's linears
+# ------------------------------------------------------------------------------------------------
+
+_MARK = "_roundalign_row_blocks"
+
+
+def install_row_blocked_linears(model: torch.nn.Module, rows: int) -> int:
+    """Make every `nn.Linear` of `model` compute with the row-block schedule of `rows` rows.
+
+    Installs an instance `forward` (no parameter is added or renamed, module hooks still fire) and records
+    `rows` on the module. Returns the number of layers. `rows=0` removes the schedule.
+    """
+    if rows <= 0:
+        return remove_row_blocked_linears(model)
+    n = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.__dict__[_MARK] = rows
+            module.forward = functools.partial(_blocked_forward, module)
+            n += 1
+    return n
+
+
+def _blocked_forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return row_blocked_linear(x, module.weight, module.bias, module.__dict__[_MARK])
+
+
+def remove_row_blocked_linears(model: torch.nn.Module) -> int:
+    """Undo `install_row_blocked_linears`; returns the number of layers restored."""
+    n = 0
+    for module in model.modules():
+        if _MARK in module.__dict__:
+            del module.__dict__[_MARK]
+            module.__dict__.pop("forward", None)
+            n += 1
+    return n
+
+
+def model_block_rows(model: torch.nn.Module) -> int:
+    """The row-block size `model`'s linears compute with (0: plain F.linear). Raises if they disagree."""
+    sizes = {m.__dict__.get(_MARK, 0) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    if len(sizes) > 1:
+        raise RuntimeError(f"the model's linears use different row-block sizes: {sorted(sizes)}")
+    return sizes.pop() if sizes else 0
+
+
+# ------------------------------------------------------------------------------------------------
+# Measuring it
+# ------------------------------------------------------------------------------------------------
+
+
+def linear_shapes(config) -> dict[str, tuple[int, ...]]:
+    """The model's linear shapes as the engine computes them: name -> (K, N) or, for the engine's fused
+    projections, (K, N1, N2, ...) (q/k/v and gate/up are one GEMM in vLLM, separate layers in transformers)."""
+    cfg = getattr(config, "text_config", None) or config
+    h = int(cfg.hidden_size)
+    heads = int(cfg.num_attention_heads)
+    kv = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    hd = int(getattr(cfg, "head_dim", None) or h // heads)
+    inter = int(getattr(cfg, "intermediate_size", 0) or 0)
+    vocab = int(cfg.vocab_size)
+    shapes: dict[str, tuple[int, ...]] = {
+        "qkv_proj": (h, heads * hd, kv * hd, kv * hd),
+        "o_proj": (heads * hd, h),
+        "lm_head": (h, vocab),
+    }
+    if inter:
+        shapes["gate_up_proj"] = (h, inter, inter)
+        shapes["down_proj"] = (inter, h)
+    return shapes
+
+
+def row_counts(max_rows: int) -> list[int]:
+    """Row counts to try up to `max_rows`: every count to 32 (decode batches), then steps of ~7% (oneDNN's
+    kernel choices change over ranges of M, measured 8-400 rows wide), and `max_rows` itself."""
+    counts = set(range(1, min(32, max_rows) + 1))
+    m = 32
+    while m < max_rows:
+        m = max(m + 1, int(m * 1.07))
+        counts.add(min(m, max_rows))
+    counts.add(max_rows)
+    return sorted(counts)
+
+
+@dataclass
+class ShapeResult:
+    name: str
+    k: int
+    n: tuple[int, ...]
+    rows_tried: int
+    variant_rows: list[int] = field(default_factory=list)
+    worst_fraction: float = 0.0
+    fused_differs: bool = False
+
+    @property
+    def invariant(self) -> bool:
+        return not self.variant_rows and not self.fused_differs
+
+    def describe(self) -> str:
+        shape = f"{self.k} x {'+'.join(map(str, self.n))}"
+        if self.invariant:
+            return f"{self.name} ({shape}): invariant at {self.rows_tried} row counts"
+        parts = []
+        if self.variant_rows:
+            parts.append(f"rows differ at M = {_ranges(self.variant_rows)} (up to {self.worst_fraction:.1e} of outputs)")
+        if self.fused_differs:
+            parts.append("the fused projection differs from its parts")
+        return f"{self.name} ({shape}): " + "; ".join(parts)
+
+
+@dataclass
+class BatchInvarianceReport:
+    """What `measure_batch_invariance` found: one `ShapeResult` per linear shape."""
+
+    block_rows: int
+    max_rows: int
+    shapes: list[ShapeResult]
+    cpu: str = ""
+
+    @property
+    def invariant(self) -> bool:
+        return all(s.invariant for s in self.shapes)
+
+    @property
+    def variant(self) -> list[ShapeResult]:
+        return [s for s in self.shapes if not s.invariant]
+
+    def summary(self) -> str:
+        how = f"row blocks of {self.block_rows}" if self.block_rows else "plain F.linear"
+        if self.invariant:
+            return f"batch-invariant ({how}; {len(self.shapes)} shapes, M = 1..{self.max_rows})"
+        first = self.variant[0]
+        return f"batch-VARIANT ({how}; {len(self.variant)} of {len(self.shapes)} shapes): {first.describe()}"
+
+    def as_dict(self) -> dict:
+        return {
+            "block_rows": self.block_rows,
+            "max_rows": self.max_rows,
+            "invariant": self.invariant,
+            "cpu": self.cpu,
+            "shapes": [
+                {
+                    "name": s.name, "k": s.k, "n": list(s.n), "rows_tried": s.rows_tried, "invariant": s.invariant,
+                    "variant_rows": _ranges(s.variant_rows) if s.variant_rows else "", "worst_fraction": s.worst_fraction,
+                    "fused_differs": s.fused_differs,
+                }
+                for s in self.shapes
+            ],
+        }
+
+
+def _ranges(values: Sequence[int]) -> str:
+    out: list[str] = []
+    values = sorted(values)
+    i = 0
+    while i < len(values):
+        j = i
+        while j + 1 < len(values) and values[j + 1] - values[j] <= max(1, values[j] // 10):
+            j += 1
+        out.append(str(values[i]) if i == j else f"{values[i]}-{values[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return ""
+    keep = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return " ".join(keep)
+
+
+def measure_batch_invariance(
+    shapes: dict[str, tuple[int, ...]] | Iterable[tuple[int, ...]],
+    max_rows: int,
+    *,
+    block_rows: int = 0,
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+    rows: Sequence[int] | None = None,
+) -> BatchInvarianceReport:
+    """Measure whether this machine's linear layers give each row the same bits whatever the call's row count.
+
+    For each shape, random inputs of `max_rows` rows are multiplied once as a whole (the reference) and then as
+    their first M rows for every M of `row_counts(max_rows)`; a shape is variant if any M gives any other bit.
+    Fused shapes (K, N1, N2, ...) are also checked against their parts computed separately, as the trainer
+    computes them. `block_rows > 0` measures the row-block schedule instead of plain `F.linear`.
+    """
+    if not isinstance(shapes, dict):
+        shapes = {f"{s[0]}x{'+'.join(map(str, s[1:]))}": tuple(s) for s in shapes}
+    counts = list(rows) if rows is not None else row_counts(max_rows)
+    gen = torch.Generator().manual_seed(seed)
+    results = []
+    for name, shape in shapes.items():
+        k, ns = int(shape[0]), tuple(int(n) for n in shape[1:])
+        n = sum(ns)
+        x = torch.randn(max_rows, k, generator=gen).to(dtype)
+        w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
+        with torch.no_grad():
+            ref = linear(x, w, rows=block_rows)
+            res = ShapeResult(name, k, ns, len(counts))
+            for m in counts:
+                out = linear(x[:m], w, rows=block_rows)
+                if not torch.equal(out, ref[:m]):
+                    res.variant_rows.append(m)
+                    res.worst_fraction = max(res.worst_fraction, (out != ref[:m]).float().mean().item())
+            if len(ns) > 1:
+                parts = torch.cat([linear(x, wp, rows=block_rows) for wp in w.split(list(ns))], dim=1)
+                res.fused_differs = not torch.equal(parts, ref)
+        results.append(res)
+    return BatchInvarianceReport(block_rows, max_rows, results, _cpu_flags())
+
+
+@functools.lru_cache(maxsize=32)
+def _cached_measure(shapes: tuple, max_rows: int, block: int) -> BatchInvarianceReport:
+    return measure_batch_invariance(dict(shapes), max_rows, block_rows=block)
+
+
+def choose_block_rows(config, max_rows: int, requested: int | str = "auto") -> tuple[int, BatchInvarianceReport]:
+    """The row-block size exact mode needs on this machine, and the measurement that decided it.
+
+    `requested="auto"`: 0 where plain `F.linear` is batch-invariant for the model's shapes up to `max_rows`
+    rows, else `DEFAULT_BLOCK_ROWS`. An explicit size is measured as it is. Raises `ValueError` with one line
+    when the chosen schedule is not batch-invariant here (exact mode is then impossible).
+    """
+    shapes = tuple(sorted(linear_shapes(config).items()))
+    if requested == "auto":
+        plain = _cached_measure(shapes, max_rows, 0)
+        if plain.invariant:
+            return 0, plain
+        rows = DEFAULT_BLOCK_ROWS
+    else:
+        rows = int(requested)
+    report = _cached_measure(shapes, max_rows, rows)
+    if not report.invariant:
+        hint = (
+            f"set roundalign_gemm_block_rows={DEFAULT_BLOCK_ROWS} (or 'auto')" if rows == 0
+            else "no row-block schedule makes it invariant here; use the profile without '-exact' and regions without 'attention'"
+        )
+        raise ValueError(f"Exact mode needs batch-invariant linear layers, and this machine's GEMM is {report.summary()}; {hint}.")
+    return rows, report
