@@ -89,6 +89,15 @@ class RoundAlignGRPOConfig(GRPOConfig):
             "that setting, since updates at lr 1e-6 round away in bf16."
         },
     )
+    roundalign_gemm_block_rows: str = field(
+        default="auto",
+        metadata={
+            "help": "How the linear layers compute, on both sides (trl_roundalign.gemm): 'auto' measures this machine's "
+            "GEMM for the model's shapes at start-up and, where it is batch-variant (Intel AMX), computes every linear "
+            "in fixed blocks of 64 rows on the engine and the trainer; a number sets the block size; 0 keeps plain "
+            "F.linear (exact mode then refuses where the GEMM is batch-variant). Colocated vLLM-CPU engines only."
+        },
+    )
     roundalign_verify_profile: bool = field(
         default=True,
         metadata={
@@ -167,6 +176,13 @@ class RoundAlignGRPOConfig(GRPOConfig):
             )
         if self.roundalign_lora_forward not in ("merged", "peft"):
             raise ValueError(f"roundalign_lora_forward={self.roundalign_lora_forward!r}: use 'merged' or 'peft'.")
+        rows = str(self.roundalign_gemm_block_rows).strip().lower()
+        if rows != "auto" and not (rows.isdigit()):
+            raise ValueError(
+                f"roundalign_gemm_block_rows={self.roundalign_gemm_block_rows!r}: use 'auto' or a whole number of rows "
+                "(0: plain F.linear)."
+            )
+        self.roundalign_gemm_block_rows = rows if rows == "auto" else str(int(rows))
         if self.roundalign_backend in ("none", "None", ""):
             self.roundalign_backend = None
         if self.roundalign_backend not in (None, "triton", "torch"):

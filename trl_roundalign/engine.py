@@ -233,6 +233,11 @@ def build_llm(
 # decode batches) and of the trainer's scoring stays within the row counts where oneDNN's kernel choice was seen to
 # change (1-800); the start-up check and the exactness tests then verify the bits at the sizes used.
 AUTO_MEASURE_ROWS = 1024
+# The trainer measures up to its batch's tokens (per_device_train_batch_size x sequence length), capped here for the
+# time the lm_head's measurement takes. The cap decides only whether row blocks are needed (on the AMX machine plain
+# F.linear was already variant below 40 rows); the row-block schedule computes every row by the same block-shaped
+# GEMM at any row count, which the measurement up to the cap confirms.
+GEMM_MEASURE_MAX_ROWS = 2048
 
 
 def _set_engine_block_rows(model, requested: int | str, max_batched_tokens: int | None) -> int:

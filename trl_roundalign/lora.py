@@ -22,6 +22,8 @@ import types
 
 import torch
 
+from .gemm import linear
+
 __all__ = [
     "check_lossless_supported",
     "install_lossless_peft_sync",
@@ -159,7 +161,9 @@ class _MergedLinear(torch.autograd.Function):
         # between a forward and its backward), so no layer's merged copy outlives its own GEMM.
         ctx.save_for_backward(x, *lora_params)
         ctx.layer, ctx.adapters, ctx.has_bias = layer, adapters, bias is not None
-        return torch.nn.functional.linear(x, merged, _merged_bias(layer, adapters))
+        # The base layer's row-block schedule (`trl_roundalign.gemm`, set where the machine's GEMM is batch-variant).
+        rows = layer.get_base_layer().__dict__.get("_roundalign_row_blocks", 0)
+        return linear(x, merged, _merged_bias(layer, adapters), rows=rows)
 
     @staticmethod
     def backward(ctx, dy):

@@ -25,10 +25,12 @@ import torch
 from trl import GRPOTrainer
 
 from . import __version__
-from ._compat import apply_vllm_cpu_weight_sync_fix, is_vllm_cpu
+from ._compat import apply_vllm_cpu_weight_sync_fix, dispatched_block_rows, is_vllm_cpu, reset_dispatched_block_rows
 from .callbacks import MismatchCallback
 from .config import RoundAlignGRPOConfig
 from .engine import (
+    AUTO_MEASURE_ROWS,
+    GEMM_MEASURE_MAX_ROWS,
     close_colocated_engine,
     engine_build_context,
     engine_cache_root,
@@ -42,6 +44,7 @@ from .engine import (
     scoped_cache_root,
     wants_piecewise,
 )
+from .gemm import install_row_blocked_linears
 from .optim import MasterWeightsOptimizer, aligned_fsdp2_policy, distributed_master_weights, noop_comm_hook
 from .patching import apply_roundalign, get_patch_report
 from .profiles import is_exact
@@ -188,8 +191,13 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
         if piecewise:
             # vLLM's CUDA default, asked for explicitly; on vLLM-CPU it needs the compat shim and compile_sizes=[].
             engine_kwargs["compilation_config"] = piecewise_compilation_config(engine_kwargs["compilation_config"])
+        self._roundalign_gemm_rows, self._roundalign_gemm_report = 0, None
         if colocate:
             apply_vllm_cpu_weight_sync_fix()
+            if is_vllm_cpu():
+                # Before the engine loads: its linears (our dispatcher) read the row-block size from the process.
+                self._roundalign_gemm_rows, self._roundalign_gemm_report = self._decide_gemm_rows(model, args)
+                reset_dispatched_block_rows()
             if is_vllm_cpu() and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
                 # vLLM-CPU otherwise reserves a large share of host RAM for its KV cache (6.8 GB for a toy model).
                 os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
@@ -220,8 +228,18 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
                         n = install_merged_lora_forward(self.model)
                         logger.info("LoRA forward: %d layers compute with the merged weight vLLM receives", n)
             if colocate:
-                record_inductor_dir(self.vllm_generation.llm)
-                self.roundalign_engine = engine_info(self.vllm_generation.llm)
+                llm = self.vllm_generation.llm
+                if is_vllm_cpu():
+                    engine_rows = dispatched_block_rows()
+                    if (engine_rows or 0) != self._roundalign_gemm_rows:
+                        raise RuntimeError(
+                            f"The colocated engine's linears compute with row blocks of {engine_rows} rows, not the "
+                            f"{self._roundalign_gemm_rows} decided for this run: something else set "
+                            "ROUNDALIGN_GEMM_BLOCK_ROWS or loaded the engine. Build the trainer in a fresh process."
+                        )
+                    llm._roundalign_gemm_block_rows = engine_rows
+                record_inductor_dir(llm)
+                self.roundalign_engine = engine_info(llm)
             self.roundalign_profile = self._resolve_profile(args)
             self._check_dtypes()
             self.roundalign_report = self._install_patches(args)
@@ -393,8 +411,53 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
                 engine_max_model_len=self.roundalign_engine.max_model_len if self.roundalign_engine is not None else None,
             )
             report = report or report_t
+            if self._roundalign_gemm_rows:
+                install_row_blocked_linears(target, self._roundalign_gemm_rows)
         logger.info("RoundAlignGRPOTrainer: %s", report)
+        if self._roundalign_gemm_rows:
+            logger.info("linear layers: row blocks of %d rows on both sides", self._roundalign_gemm_rows)
         return report
+
+    @staticmethod
+    def _decide_gemm_rows(model, args: RoundAlignGRPOConfig):
+        """The row-block size both sides' linears use (`trl_roundalign.gemm`), and the measurement behind it.
+
+        Measured for the model's linear shapes and every row count up to the training batch's tokens (capped at
+        `GEMM_MEASURE_MAX_ROWS`): where plain `F.linear` is batch-invariant, 0 (nothing changes); else the row-block
+        schedule, itself measured invariant. Exact mode refuses, in one line, where neither is; the other modes warn
+        (their start-up check decides by exact refinements, which then cannot reproduce the engine).
+        """
+        from . import gemm
+
+        requested = args.roundalign_gemm_block_rows
+        if not args.roundalign_regions and requested == "auto":
+            gemm.set_block_rows(0)  # default BF16 is the stock trainer: nothing is aligned, the GEMM neither
+            return 0, None
+        if isinstance(model, str):
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(model)
+        else:
+            config = getattr(model, "config", None)
+        completion = int(args.max_completion_length or 256)
+        length = int(args.vllm_max_model_length or (completion + 512))
+        max_rows = max(AUTO_MEASURE_ROWS, min(GEMM_MEASURE_MAX_ROWS, int(args.per_device_train_batch_size) * length))
+        try:
+            rows, report = gemm.choose_block_rows(config, max_rows, requested)
+        except ValueError as e:
+            if "attention" in args.roundalign_regions:
+                raise
+            rows, report = (0 if requested == "auto" else int(requested)), None
+            warnings.warn(
+                f"{e} The start-up check's exact refinements will not reproduce the engine either; "
+                "roundalign_verify_profile=False trains unverified.",
+                UserWarning,
+                stacklevel=3,
+            )
+        gemm.set_block_rows(rows)
+        if report is not None:
+            logger.info("GEMM on this machine: %s", report.summary())
+        return rows, report
 
     def _verify_profile(self, args: RoundAlignGRPOConfig):
         """Check the profile against the running engine (see `trl_roundalign.verify`); None when not checked."""
@@ -435,6 +498,7 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
             CLEARLY_BETTER,
             STRICTLY_BETTER,
             ProfileMismatch,
+            engine_self_k3,
             server_engine_info,
             server_prompt_logprobs,
             verification_sequences,
@@ -465,7 +529,10 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
                     info, about = server_engine_info(response.json())
                 else:
                     info, about = None, f"its /server_info answered {response.status_code}"
-                payload = [(info, about, server_prompt_logprobs(client, sequences))]
+                batched = server_prompt_logprobs(client, sequences)
+                # The same sequences one request each: how far the engine disagrees with itself (its noise margin).
+                single = [server_prompt_logprobs(client, [seq])[0] for seq in sequences]
+                payload = [(info, about, batched, single)]
             except Exception as e:  # noqa: BLE001 - broadcast, so that no process waits for a payload that never comes
                 failure = e
                 why = " ".join(f"{type(e).__name__}: {e}".split())
@@ -475,7 +542,14 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
         broadcast_object_list(payload, from_process=0)  # every process scores (and stops) alike
         if isinstance(payload[0], str):  # the main process's request failed: every process stops with its line
             raise RuntimeError(payload[0]) from failure
-        info, about, engine_logps = payload[0]
+        info, about, engine_logps, engine_single = payload[0]
+        noise = engine_self_k3(engine_logps, engine_single)
+        rows = (info.gemm_block_rows or 0) if info is not None else 0
+        if rows != self._roundalign_gemm_rows:  # the server's linears compute in row blocks: ours do the same
+            self._roundalign_gemm_rows = rows
+            for target in [self.model] + ([self.ref_model] if getattr(self, "ref_model", None) is not None else []):
+                install_row_blocked_linears(target, rows)
+            logger.info("the vLLM server's linears compute in row blocks of %d rows; the policy's do too", rows)
         if info is None:
             candidates, note = list(ALL_BASE_CANDIDATES), f" The server's platform is unknown: {about}."
             logger.warning(
@@ -491,7 +565,7 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
             result = verify_profile(
                 self.model, engine_logps, sequences, chosen=self.roundalign_profile, regions=args.roundalign_regions,
                 info=info, backend=args.roundalign_backend, lanes=None, candidates=candidates, note=note,
-                better_ratio=ratio, auto_ok=False,
+                better_ratio=ratio, auto_ok=False, engine_noise_k3=noise,
             )
         finally:
             self.roundalign_report = self._install_patches(args)
@@ -525,6 +599,10 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
         }
         if self.roundalign_engine is not None:
             info["engine"] = self.roundalign_engine.as_dict()
+        info["gemm"] = {
+            "block_rows": self._roundalign_gemm_rows,
+            "measured": self._roundalign_gemm_report.as_dict() if self._roundalign_gemm_report is not None else None,
+        }
         if self.roundalign_verification is not None:
             info["verification"] = self.roundalign_verification.as_dict()
         report = get_patch_report(self.model) if self.args.roundalign_regions or self.args.roundalign_positions_from_mask else None

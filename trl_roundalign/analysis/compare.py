@@ -80,10 +80,15 @@ def apply_condition(
     attention_block_size: int | None,
     backend: str | None = None,
     engine_max_model_len: int | None = None,
+    gemm_block_rows: int = 0,
 ) -> None:
     """Revert whatever patches `model` has, then apply `cond`'s (lanes and block size where its profile uses them;
-    the engine's max_model_len for LongRoPE models)."""
+    the engine's max_model_len for LongRoPE models). An aligned condition's linears compute as the engine's do
+    (`gemm_block_rows`, `trl_roundalign.gemm`), as the trainer's do; the default condition keeps plain `F.linear`."""
+    from ..gemm import install_row_blocked_linears
+
     revert_roundalign(model)
+    install_row_blocked_linears(model, gemm_block_rows if cond.regions else 0)
     lanes = reduction_lanes if get_profile(cond.profile).reduction == "inductor-cpu" else None
     block = attention_block_size if get_profile(cond.profile).attention == "vllm-cpu" else None
     apply_roundalign(
@@ -103,6 +108,7 @@ def score_conditions(
     backend: str | None = None,
     progress: bool = False,
     engine_max_model_len: int | None = None,
+    gemm_block_rows: int = 0,
 ) -> dict[str, list[torch.Tensor]]:
     """Score every sample's tokens with the Hugging Face model under each condition.
 
@@ -121,7 +127,7 @@ def score_conditions(
 
         iterator = tqdm(conditions, desc="scoring conditions", unit="condition")
     for cond in iterator:
-        apply_condition(model, cond, reduction_lanes, attention_block_size, backend, engine_max_model_len)
+        apply_condition(model, cond, reduction_lanes, attention_block_size, backend, engine_max_model_len, gemm_block_rows)
         out[cond.name] = hf_logprobs(model, seqs)
     revert_roundalign(model)
     return out
@@ -281,9 +287,10 @@ def compare_engine_run(
             raise ValueError(f"The engine's reduction lanes could not be read: {run.lanes_error}")
         lanes = run.lanes
     max_len = getattr(run.info, "max_model_len", None)
+    rows = getattr(run.info, "gemm_block_rows", None) or 0  # the engine's linears' row blocks (trl_roundalign.gemm)
     train = score_conditions(
         model_path, samples, conditions, reduction_lanes=lanes, attention_block_size=run.block_size, progress=progress,
-        engine_max_model_len=max_len,
+        engine_max_model_len=max_len, gemm_block_rows=rows,
     )
     stats = condition_stats(samples, train, prefill)
     floor_stats: dict[str, dict[str, float]] = {}
@@ -299,7 +306,7 @@ def compare_engine_run(
 
         layer_rows = per_layer_differences(
             model_path, [s.token_ids for s in samples], conditions, reduction_lanes=lanes,
-            attention_block_size=run.block_size, progress=progress, engine_max_model_len=max_len,
+            attention_block_size=run.block_size, progress=progress, engine_max_model_len=max_len, gemm_block_rows=rows,
         )
     return Comparison(str(model_path), list(conditions), samples, prefill, train, stats, floor_stats, lanes, layer_rows)
 

@@ -31,6 +31,7 @@ import logging
 import os
 import sys
 
+from ..gemm import ENV_BLOCK_ROWS
 from .auth import TOKEN_ENV, is_loopback, new_token
 
 logger = logging.getLogger(__name__)
@@ -92,6 +93,12 @@ def main(argv: list[str] | None = None) -> None:
     i = command.index("vllm.entrypoints.cli.main")
     command[i : i + 1] = ["trl_roundalign.weight_transfer.serve", _VLLM_CLI]
     env = os.environ.copy()
+    rows = _gemm_block_rows(script_args.model, env)
+    if rows is not None:
+        # The engine's linears (the package's dispatcher) read it from the environment; /server_info reports it
+        # through vLLM's additional_config, so that the trainer computes its linears the same way.
+        env[ENV_BLOCK_ROWS] = str(rows)
+        _set_additional_config(command, {"roundalign_gemm_block_rows": rows})
     env["VLLM_SERVER_DEV_MODE"] = "1"  # the weight-transfer endpoints live behind vLLM's dev mode (as in TRL)
     if not env.get(TOKEN_ENV):
         env[TOKEN_ENV] = new_token()
@@ -102,6 +109,48 @@ def main(argv: list[str] | None = None) -> None:
             flush=True,
         )
     os.execve(sys.executable, command, env)
+
+
+def _gemm_block_rows(model: str, env: dict) -> int | None:
+    """The row-block size the server's linears compute with (`trl_roundalign.gemm`): the environment's
+    `ROUNDALIGN_GEMM_BLOCK_ROWS` when set, else measured for the model's shapes on this machine (0 where plain
+    `F.linear` is batch-invariant). None off vLLM-CPU (vLLM's own kernels)."""
+    from .._compat import is_vllm_cpu
+    from ..gemm import choose_block_rows
+
+    if not is_vllm_cpu():
+        return None
+    if env.get(ENV_BLOCK_ROWS, "").strip():
+        return int(env[ENV_BLOCK_ROWS])
+    from transformers import AutoConfig
+
+    from ..engine import AUTO_MEASURE_ROWS
+
+    try:
+        rows, report = choose_block_rows(AutoConfig.from_pretrained(model), AUTO_MEASURE_ROWS)
+    except ValueError as e:
+        logger.warning("%s The server computes with plain F.linear.", e)
+        return 0
+    if rows:
+        logger.warning("GEMM here: %s; the server computes in row blocks of %d (as the trainer will)", report.summary(), rows)
+    return rows
+
+
+def _set_additional_config(command: list[str], extra: dict) -> None:
+    """Merge `extra` into the command's `--additional-config` JSON (added when absent)."""
+    import json
+
+    for i, arg in enumerate(command):
+        key, eq, value = arg.partition("=")
+        if key == "--additional-config":
+            raw = value if eq else command[i + 1]
+            merged = {**json.loads(raw), **extra}
+            if eq:
+                command[i] = f"--additional-config={json.dumps(merged)}"
+            else:
+                command[i + 1] = json.dumps(merged)
+            return
+    command += ["--additional-config", json.dumps(extra)]
 
 
 if __name__ == "__main__":
