@@ -47,6 +47,10 @@ _TEXTS = (
 )
 # A better candidate must halve the chosen profile's k3 to count as "clearly better".
 CLEARLY_BETTER = 0.5
+# A rival's lower k3 counts only when the mean of the per-token differences (same tokens, paired) exceeds this many
+# standard errors of it: on a tiny model two profiles can differ by a few percent on 140 tokens by chance (measured on
+# the Intel AMX machine: vllm-compiled 4.98e-07 vs vllm-compiled-piecewise 4.80e-07 against a one-graph server).
+SIGNIFICANCE_Z = 3.0
 # Server mode on a vLLM-CPU server (or one whose platform is unknown): no exact refinement can decide (the
 # server's reduction lanes are not known), so any candidate with a strictly lower k3 refutes the chosen profile.
 STRICTLY_BETTER = 1.0
@@ -76,6 +80,12 @@ class Verification:
     seconds: float = 0.0
     verdict: str = ""
     engine: dict | None = None  # server mode: the server's configuration as read from /server_info
+    # k3 between the engine's own batched and one-at-a-time prefill of the same sequences (server mode): a rival
+    # profile must beat the chosen one by more than this to refute it.
+    engine_noise_k3: float | None = None
+    # The margin a rival's k3 had to beat: max(engine_noise_k3, SIGNIFICANCE_Z standard errors of the paired
+    # per-token difference); None when no k3 decision was made.
+    k3_margin: float | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -123,10 +133,13 @@ def _score(model, sequences, engine_logps, regions, profile, backend, lanes, blo
             "the profile cannot be verified: the policy's forward or the engine computed NaN/inf on fixed text."
         )
     st = metrics.token_stats(a, b, mask)
-    return CandidateScore(
+    score = CandidateScore(
         profile, list(regions), float(st["mismatch/kl_k3"]), float(st["mismatch/frac_bitwise_equal"]),
         float(st["mismatch/abs_logp_diff/max"]),
     )
+    d = a.double()[inside] - b.double()[inside]
+    score._token_k3 = torch.expm1(d) - d  # per token, in a fixed order: the paired comparison of two candidates
+    return score
 
 
 def candidate_profiles(info, *, exact: bool = True) -> tuple[list[str], list[str]]:
@@ -196,10 +209,52 @@ def server_engine_info(server_info: dict):
         use_inductor_graph_partition=bool(cc.get("use_inductor_graph_partition")),
         ir_op_priority=priority,
         torch_version=str(system.get("torch_version") or ""),
+        gemm_block_rows=_int_or_none((cfg.get("additional_config") or {}).get("roundalign_gemm_block_rows")),
     )
     if mode is None and not info.enforce_eager:
         return info, f"{device}, compile mode not reported"
     return info, f"{device}, {'compiled' if info.compiled else 'eager'} ({info.compile_mode})"
+
+
+def _configured_profile(info) -> str | None:
+    """The base profile the engine's configuration names (`engine.profile_for_engine`), where the configuration alone
+    decides it (compiled engines, GPU engines); None otherwise (no info, an eager vLLM-CPU engine, whose profile
+    depends on the kernel library of the process that runs it, or a configuration no profile describes)."""
+    from .engine import UnknownEngineConfiguration, profile_for_engine
+
+    if info is None or (info.platform == "cpu" and not info.compiled):
+        return None
+    try:
+        return get_profile(profile_for_engine(info)).name
+    except (UnknownEngineConfiguration, KeyError, ValueError):
+        return None
+
+
+def _paired_standard_error(a: CandidateScore, b: CandidateScore) -> float:
+    """Standard error of the mean per-token k3 difference between two candidates scored on the same tokens."""
+    ta, tb = getattr(a, "_token_k3", None), getattr(b, "_token_k3", None)
+    if ta is None or tb is None or ta.shape != tb.shape or ta.numel() < 2:
+        return 0.0
+    d = ta - tb
+    return float(d.std() / d.numel() ** 0.5)
+
+
+def engine_self_k3(batched: list[torch.Tensor], single: list[torch.Tensor]) -> float:
+    """k3 between an engine's log-probs of the same sequences scored together and one at a time: its own noise
+    (0 where its kernels are batch-invariant)."""
+    width = max(len(x) for x in batched)
+    a, b = torch.zeros(len(batched), width), torch.zeros(len(batched), width)
+    mask = torch.zeros(len(batched), width, dtype=torch.long)
+    for i, (x, y) in enumerate(zip(batched, single)):
+        a[i, : len(x)], b[i, : len(y)], mask[i, : len(x)] = x, y, 1
+    return float(metrics.token_stats(a, b, mask)["mismatch/kl_k3"])
+
+
+def _int_or_none(value) -> int | None:
+    try:
+        return None if value is None else int(value)
+    except (TypeError, ValueError):
+        return None
 
 
 def server_prompt_logprobs(client, sequences: list[list[int]], temperature: float = 0.0) -> list[torch.Tensor]:
@@ -270,6 +325,7 @@ def verify_profile(
     note: str = "",
     better_ratio: float = CLEARLY_BETTER,
     auto_ok: bool = True,
+    engine_noise_k3: float | None = None,
 ) -> Verification:
     """Score `sequences` under the chosen profile and the candidates; raise `ProfileMismatch` on a mismatch.
 
@@ -290,6 +346,10 @@ def verify_profile(
         better_ratio: a base candidate whose k3 is below `better_ratio` times the chosen profile's is a better
             match (default: it must halve it; 1.0: any strictly lower k3, when no exact refinement can decide).
         auto_ok: whether a mismatch's message may suggest roundalign_profile='auto' (not in server mode).
+        engine_noise_k3: how far the engine disagrees with itself on these sequences (k3 of its batched against
+            its one-at-a-time prefill; server mode measures it): a base candidate refutes the chosen profile only if
+            its k3 is lower by more than this, so that a machine whose engine is not batch-invariant does not
+            decide by its own noise. None or 0: any lower k3 within `better_ratio` counts.
     """
     start = time.perf_counter()
     regions = tuple(regions)
@@ -325,7 +385,8 @@ def verify_profile(
                     exact_scores.append(_score(model, sequences, engine_logps, ALL_REGIONS, p, backend, lanes, attention_block_size, max_len))
             scores.extend(exact_scores)
     tokens = sum(len(x) for x in engine_logps)
-    result = Verification(chosen, None, scores, tokens, 0.0)
+    result = Verification(chosen, None, scores, tokens, 0.0, engine_noise_k3=engine_noise_k3)
+    margin = float(engine_noise_k3 or 0.0)
 
     or_auto = " or 'auto'" if auto_ok else ""
 
@@ -365,19 +426,49 @@ def verify_profile(
             others = [s for s in scores[1:] if s.regions == list(base_regions) and s.profile != chosen_base]
             best = min(others, key=lambda s: s.kl_k3, default=None)
             result.engine_profile = chosen_base
-            if best is not None and better_ratio * chosen_score.kl_k3 <= best.kl_k3 < chosen_score.kl_k3:
+            if best is not None:
+                margin = max(margin, SIGNIFICANCE_Z * _paired_standard_error(chosen_score, best))
+                result.k3_margin = margin
+            refutes = (
+                best is not None and best.kl_k3 < better_ratio * chosen_score.kl_k3
+                and chosen_score.kl_k3 - best.kl_k3 > margin
+            )
+            if best is not None and best.kl_k3 < chosen_score.kl_k3 and not refutes:
                 logger.warning(
                     "profile check: %s scored a lower k3 than %s (%.2e vs %.2e on %d tokens), but not below %g times "
-                    "it, so the check cannot tell them apart here; `trl-roundalign analyze` compares them on more "
-                    "tokens.%s",
-                    best.profile, chosen_base, best.kl_k3, chosen_score.kl_k3, tokens, better_ratio, note,
+                    "it by more than the margin %.2e (the engine's own noise, or %g standard errors of the per-token "
+                    "difference), so the check cannot tell them apart here; `trl-roundalign analyze` compares them on "
+                    "more tokens.%s",
+                    best.profile, chosen_base, best.kl_k3, chosen_score.kl_k3, tokens, better_ratio, margin, SIGNIFICANCE_Z,
+                    note,
                 )
-            if best is not None and best.kl_k3 < better_ratio * chosen_score.kl_k3:
-                result.engine_profile = best.profile
+            derived = _configured_profile(info)
+            if refutes:
+                # Among the rivals that k3 cannot tell from the best one, the profile the engine's configuration
+                # names is the one to suggest (a tiny model's k3 ties one graph and pieces by chance).
+                ties = [
+                    s for s in others
+                    if s.kl_k3 - best.kl_k3 <= max(float(engine_noise_k3 or 0.0), SIGNIFICANCE_Z * _paired_standard_error(s, best))
+                ]
+                suggested = next((s for s in ties if s.profile == derived), best)
+                result.engine_profile = suggested.profile
                 fail(
-                    f"roundalign_profile={chosen!r} matches this engine worse than {best.profile!r} (k3 "
-                    f"{chosen_score.kl_k3:.2e} vs {best.kl_k3:.2e} on {tokens} tokens). Set roundalign_profile="
-                    f"'{best.profile}'{or_auto}, or run `trl-roundalign probe`."
+                    f"roundalign_profile={chosen!r} matches this engine worse than {suggested.profile!r} (k3 "
+                    f"{chosen_score.kl_k3:.2e} vs {suggested.kl_k3:.2e} on {tokens} tokens"
+                    + (f", lower by more than the margin {margin:.2e}" if margin else "")
+                    + f"). Set roundalign_profile="
+                    f"'{suggested.profile}'{or_auto}, or run `trl-roundalign probe`."
+                )
+            d = next((s for s in others if s.profile == derived), None)
+            if d is not None and d.profile != chosen_base and d.kl_k3 - chosen_score.kl_k3 <= max(
+                float(engine_noise_k3 or 0.0), SIGNIFICANCE_Z * _paired_standard_error(chosen_score, d)
+            ):
+                # k3 does not refute the chosen profile, but it cannot confirm it either: the configuration decides.
+                result.engine_profile = derived
+                fail(
+                    f"roundalign_profile={chosen!r} does not describe this engine: its configuration is what {derived!r} "
+                    f"describes, and k3 on {tokens} tokens does not show {chosen!r} matching it better ({chosen_score.kl_k3:.2e} "
+                    f"vs {d.kl_k3:.2e}). Set roundalign_profile='{derived}'{or_auto}, or run `trl-roundalign probe`."
                 )
     result.seconds = time.perf_counter() - start
     result.verdict = "ok"
