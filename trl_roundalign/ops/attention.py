@@ -101,6 +101,14 @@ def _vllm_cpu_ops():
     return ops, _get_attn_isa, bool(envs.VLLM_CPU_ATTN_SPLIT_KV)
 
 
+def _amx_ready() -> bool:
+    """Ask Linux for the AMX tile state (`arch_prctl(ARCH_REQ_XCOMP_PERM)`, via torch) before vLLM's AMX attention
+    kernel runs: a process whose first AMX instruction comes from that kernel (nothing has run oneDNN's AMX GEMM
+    yet) dies of SIGILL otherwise (measured on the Intel AMX machine: `pytest tests/ops/test_attention.py` alone).
+    vLLM's engine asks for it when it starts; the standalone call here must too. Idempotent."""
+    return bool(torch.cpu._init_amx())
+
+
 def vllm_cpu_attention_available() -> bool:
     """Whether vLLM-CPU's attention ops can be called in this environment."""
     try:
@@ -178,6 +186,11 @@ def vllm_cpu_attention_forward(
         raise ValueError(f"block_size must be positive, got {block_size}.")
     ops, get_isa, enable_kv_split = _vllm_cpu_ops()
     isa = get_isa(q.dtype, block_size, d)
+    if isa == "amx" and not _amx_ready():
+        raise RuntimeError(
+            "vLLM-CPU's attention picks its AMX kernel here, but the kernel may not use the CPU's AMX tiles in this "
+            "process (the Linux permission request, torch.cpu._init_amx(), was refused)."
+        )
 
     n_seq = len(lens)
     seq_lens_t = torch.tensor(lens, dtype=torch.int32)
