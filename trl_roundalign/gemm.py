@@ -45,6 +45,8 @@ __all__ = [
     "ENV_BLOCK_ROWS",
     "BatchInvarianceReport",
     "block_rows",
+    "choose_block_rows",
+    "cpu_kind",
     "install_row_blocked_linears",
     "linear",
     "linear_shapes",
@@ -329,6 +331,12 @@ def _ranges(values: Sequence[int]) -> str:
         out.append(str(values[i]) if i == j else f"{values[i]}-{values[j]}")
         i = j + 1
     return ",".join(out)
+
+
+def cpu_kind() -> str:
+    """The CPU kinds the project measures on: "amx" (Intel Xeon with AMX), "avx512" (AVX-512 without AMX), "avx2"."""
+    flags = _cpu_flags().split()
+    return "amx" if "amx_bf16" in flags else "avx512" if "avx512f" in flags else "avx2"
 
 
 def _cpu_flags() -> str:
