@@ -225,3 +225,17 @@ def test_gpu_check_dry_run(tmp_path):
     tail = proc.stdout.strip().splitlines()[-12:]
     assert any("paper:" in line for line in tail), "the summary table must come last"
     assert "GPU tests (pytest -m gpu)" in (tmp_path / "summary.md").read_text()
+
+
+def test_bench_gemm_quick(tmp_path):
+    """The GEMM part on one shape: each way timed, and each way's batch invariance measured alongside (the row-block
+    schedules must measure invariant on any CPU; plain F.linear is whatever this machine's GEMM is)."""
+    out = _run(["bench/bench_gemm.py", "--quick", "--parts", "gemm", "--out", str(tmp_path)])
+    run = _last_run(tmp_path / "bench_gemm.json")
+    rows = [r for r in run["rows"] if r["part"] == "gemm"]
+    impls = {r["impl"] for r in rows}
+    assert {"plain", "blocks64", "blocks128"} <= impls, impls
+    assert all(r["ms"] > 0 for r in rows)
+    assert all(r["invariant"] for r in rows if r["impl"].startswith("blocks")), rows
+    assert ("capped" in impls) == run["settings"]["amx"]  # the oneDNN cap is measured where there is AMX to cap
+    assert "| part" in out

@@ -7,20 +7,19 @@ computed in the same call. Exact mode needs it: the engine computes a token's ro
 Whether it holds is a property of the machine's GEMM, not of the model, so it is measured, never assumed
 (`measure_batch_invariance`). Measured with torch 2.13.0+cpu (oneDNN's bf16 matmul):
 
-- AMD AVX2 and AMD AVX-512 (no AMX): invariant at the shapes the project's tests and SmolLM2 use;
-- Intel Xeon with AMX: *not* invariant. oneDNN picks its kernel by the row count M, and rows of one input
-  get other bits at other M (SmolLM2's 1536 x 576 down projection: M = 33-341 and 417-575 differ from
-  M = 4096; K x N = 864 x 320: M = 95-319; the lm_head 576 x 49152 from M = 36), for up to ~2e-4 of outputs.
-  The thread count does not matter (1 and 2 threads gave the same bits at every M tried).
-  docs/numerics.md ("Batch-invariant GEMMs") has the evidence.
+- AMD AVX2 and AMD AVX-512 (no AMX): exact mode is bit-identical at the tests' and SmolLM2's shapes there;
+- Intel Xeon with AMX: *not* invariant. oneDNN picks its kernel by the row count M, and rows of one input get
+  other bits at other M (SmolLM2's projections and lm_head from M = 34 to 350-682 against a 1024-row call, up to
+  1.4e-4 of outputs; docs/results/amx/batch_invariance.md, scripts/batch_invariance.py).
+  docs/numerics.md ("Batch-invariant linear layers") has the evidence.
 
 The remedy kept here: a **fixed row-block schedule** (`row_blocked_linear`). Every call, on both sides, computes
 its rows in blocks of exactly `block_rows` rows (the last block zero-padded), so every row is computed by a
 GEMM of the same shape whatever the call's length, and its bits do not depend on its neighbours. The engine
 gets it through the package's vLLM-CPU GEMM dispatcher (`_compat`), the trainer through its `nn.Linear`
 modules (`install_row_blocked_linears`) and the merged LoRA forward. It keeps oneDNN's AMX kernels; capping
-oneDNN's ISA (`ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`) also gives invariance but ran the same GEMMs ~10x slower
-(bench/bench_gemm.py, docs/cost.md).
+oneDNN's ISA (`ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`) also gives invariance but ran the same GEMMs 5-13x slower at
+512-2048 rows (bench/bench_gemm.py, docs/cost.md).
 
 The schedule is a process setting, `ROUNDALIGN_GEMM_BLOCK_ROWS` (0 or unset: plain `F.linear`), so that engine
 processes started from this one inherit it. Backward passes use ordinary matrix products (the gradient is not
@@ -58,8 +57,9 @@ __all__ = [
 ]
 
 ENV_BLOCK_ROWS = "ROUNDALIGN_GEMM_BLOCK_ROWS"
-# Chosen by bench/bench_gemm.py on the AMX machine: 64 rows cost 1.6-2.1x plain F.linear at decode sizes and
-# 1.5-2.9x at 512-2048 rows (128 rows: 2.0-2.7x and 1.3-1.9x). Exact mode pays it only where the GEMM is variant.
+# Chosen by bench/bench_gemm.py on the AMX machine (docs/cost.md): 64 rows cost 1.3-2.2x plain F.linear at decode
+# sizes and 2.1-3.4x at 512-2048 rows (128 rows: 1.8-2.5x and 1.5-2.4x); end to end the engine 1.30x, the trainer's
+# forward + backward 1.15x. GRPO decodes, so the decode sizes decide. Paid only where the GEMM is variant.
 DEFAULT_BLOCK_ROWS = 64
 
 

@@ -48,6 +48,13 @@ MODELS = {
         "phi3", hidden_size=192, num_attention_heads=3, num_key_value_heads=1, intermediate_size=344, num_hidden_layers=3
     ),
     "peaked-qwen3": peaked_qwen3,
+    # SmolLM2's widths (K = 576 and 1536, 9 query / 3 key-value heads of 64) on 2 layers: the shapes where Intel
+    # AMX's GEMM is batch-variant (docs/results/amx/batch_invariance.md), at a tiny model's cost, so that make test
+    # sees what the tiny shapes hide on that CPU.
+    "smollm2-width": lambda: tiny_model(
+        "llama", hidden_size=576, head_dim=64, num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536,
+        num_hidden_layers=2,
+    ),
     "smollm2-135m": smollm2_135m,
 }
 SLOW = {"smollm2-135m"}
@@ -61,7 +68,7 @@ SLOW = {"smollm2-135m"}
 # peaked-qwen3 (about 33 s; the piecewise engine stays covered by tiny-qwen2-odd, Gemma 3 and OLMo 2's analyze) moved
 # to make test-full too.
 IN_MAKE_TEST = {
-    "whole": {"tiny-qwen3", "peaked-qwen3"},
+    "whole": {"tiny-qwen3", "peaked-qwen3", "smollm2-width"},
     "piecewise": {"tiny-qwen2-odd"},
 }
 CHAT = (
