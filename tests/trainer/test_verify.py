@@ -82,3 +82,34 @@ def test_the_start_up_check_leaves_what_is_sampled_alone(tmp_path, closing):
         trainer.close()
     assert len(completions[0]) == 4 and len(set(map(str, completions[0]))) > 1, "the four samples should differ"
     assert completions[3] == completions[0]
+
+
+SMOLLM2_WIDTH = dict(hidden_size=576, head_dim=64, num_attention_heads=9, num_key_value_heads=3,
+                     intermediate_size=1536, num_hidden_layers=2)
+
+
+def test_exact_mode_refuses_plain_linears_where_the_gemm_is_batch_variant(tmp_path):
+    """roundalign_gemm_block_rows=0 asks for plain F.linear; where this machine's GEMM is batch-variant at the model's
+    shapes (the Intel AMX kind at SmolLM2's widths), exact mode cannot hold and stops in one line, before any engine
+    is built; 'auto' there picks the row blocks and records the measurement."""
+    from transformers import AutoConfig
+
+    from trl_roundalign import gemm
+
+    path = tiny_model("llama", **SMOLLM2_WIDTH)
+    args = make_config(tmp_path, max_steps=1, roundalign_regions=list(ALL_REGIONS), roundalign_gemm_block_rows="0",
+                       per_device_train_batch_size=4, vllm_max_model_length=256)
+    plain = gemm.measure_batch_invariance(gemm.linear_shapes(AutoConfig.from_pretrained(path)), 1024)
+    if plain.invariant:
+        pytest.skip(f"this machine's GEMM is batch-invariant at these shapes ({plain.summary()}): nothing to refuse")
+    with pytest.raises(ValueError) as err:
+        RoundAlignGRPOTrainer(model=str(path), reward_funcs=varied_reward, args=args,
+                              train_dataset=arithmetic_dataset("train[:8]"))
+    msg = str(err.value)
+    assert "\n" not in msg and "Exact mode needs batch-invariant linear layers" in msg and "batch-VARIANT" in msg, msg
+    assert "roundalign_gemm_block_rows=64" in msg, msg
+
+
+def test_bad_gemm_block_rows_is_one_line(tmp_path):
+    with pytest.raises(ValueError, match=r"roundalign_gemm_block_rows='many': use 'auto' or a whole number"):
+        make_config(tmp_path, roundalign_gemm_block_rows="many")
