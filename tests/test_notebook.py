@@ -24,14 +24,14 @@ def _cells(nb) -> list[tuple[str, str]]:
 
 
 def test_notebook_is_paired_with_its_py_file():
-    jupytext = pytest.importorskip("jupytext")
+    import jupytext
     ipynb, py = jupytext.read(NOTEBOOK), jupytext.read(PAIRED)
     assert _cells(ipynb) == _cells(py), "run `jupytext --sync notebooks/quick_experiment.ipynb`"
     assert ipynb.metadata["jupytext"]["formats"] == "ipynb,py:percent"
 
 
 def test_notebook_parameters_cell_defaults_to_smoke():
-    jupytext = pytest.importorskip("jupytext")
+    import jupytext
     nb = jupytext.read(NOTEBOOK)
     params = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
     assert len(params) == 1 and "SMOKE = True" in params[0].source
@@ -45,7 +45,7 @@ def test_committed_outputs_are_small():
 @pytest.mark.vllm
 @pytest.mark.full  # SmolLM2 GRPO steps take minutes each on an AVX2 2-core CPU: `make test-full`
 def test_notebook_runs_in_smoke_mode():
-    pytest.importorskip("nbmake")
+    import nbmake  # noqa: F401  (pinned by make setup)
     cmd = [
         sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbmake", "--nbmake-timeout=1500",
         str(NOTEBOOK.relative_to(ROOT)),

@@ -6,12 +6,11 @@ import contextlib
 import copy
 import types
 
+import peft  # pinned by make setup: a broken install fails here, never skips LoRA coverage
 import pytest
 import torch
 
-peft = pytest.importorskip("peft")
-
-from trl_roundalign.lora import install_merged_lora_forward, lossless_peft_params  # noqa: E402
+from trl_roundalign.lora import install_merged_lora_forward, lossless_peft_params
 
 
 def _lora_mlp(seed: int = 0, dropout: float = 0.0):

@@ -52,7 +52,7 @@ def test_auto_profile_follows_the_engine_and_matches_it_better(tmp_path, engine_
 
 
 def test_lora_with_gradient_checkpointing_trains(tmp_path, closing):
-    peft = pytest.importorskip("peft")
+    import peft  # pinned by make setup: a broken install fails here, never skips LoRA coverage
     args = make_config(tmp_path, max_steps=2, gradient_checkpointing=True, learning_rate=1e-4)
     trainer = RoundAlignGRPOTrainer(
         model=str(tiny_model("qwen3")),
@@ -237,7 +237,7 @@ def test_fp32_lm_head_on_both_sides(tmp_path, closing):
 def test_lora_weight_sync_leaves_the_frozen_base_bit_identical(tmp_path, closing, sync):
     """6 LoRA GRPO steps at a large learning rate: TRL's in-place merge/unmerge drifts the frozen base weights,
     the lossless sync (the trainer's default) leaves every one bit-identical."""
-    peft = pytest.importorskip("peft")
+    import peft  # pinned by make setup: a broken install fails here, never skips LoRA coverage
     from trl.generation.vllm_generation import VLLMGeneration
 
     args = make_config(tmp_path, max_steps=6, learning_rate=5e-2)
@@ -288,7 +288,7 @@ _LORA_REGIONS = {"bf16_default": [], "three_region": list(PAPER_REGIONS), "exact
 
 def _lora_k3(tmp_path, closing, forward: str, condition: str, **extra) -> list[float]:
     """k3 per step of a 4-step LoRA GRPO run at lr 5e-2 (tiny Qwen3) with `forward` under `condition`."""
-    peft = pytest.importorskip("peft")
+    import peft  # pinned by make setup: a broken install fails here, never skips LoRA coverage
     args = make_config(
         tmp_path / f"{forward}_{condition}", max_steps=4, learning_rate=5e-2,
         roundalign_lora_forward=forward, roundalign_regions=_LORA_REGIONS[condition], **extra,
