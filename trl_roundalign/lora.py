@@ -42,11 +42,12 @@ def _lora_layers(model):
 def check_lossless_supported(model) -> None:
     """Raise `ValueError` for adapters whose merge is not `W + get_delta_weight` (LoRA variants such as DoRA)."""
     for layer in _lora_layers(model):
-        variants = sorted(getattr(layer, "lora_variant", {}) or {})
+        variants = getattr(layer, "lora_variant", {}) or {}
         if variants:
+            named = ", ".join(f"adapter {a!r}: {type(v).__name__}" for a, v in sorted(variants.items()))
             raise ValueError(
-                f"LoRA variant adapters ({', '.join(variants)}: e.g. DoRA) are not supported by trl-roundalign's lossless "
-                "weight sync; use plain LoRA (use_dora=False)."
+                f"LoRA variant adapters ({named}) are not supported by trl-roundalign's lossless weight sync (their merge "
+                "is not W + get_delta_weight); use plain LoRA (use_dora=False)."
             )
         if any((getattr(layer, "lora_bias", {}) or {}).values()) and getattr(layer.get_base_layer(), "bias", None) is None:
             raise ValueError(

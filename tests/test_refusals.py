@@ -1,0 +1,88 @@
+"""Refusals that had no test: each configuration the package cannot align is refused with one line naming what
+differs, and the accepted neighbour of each is accepted (so every test here can fail both ways)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from trl_roundalign.engine import EngineInfo, UnknownEngineConfiguration, profile_for_engine
+
+ONE_GRAPH = EngineInfo(
+    vllm_version="0.31.0", platform="cpu", compile_mode="DYNAMO_TRACE_ONCE", enforce_eager=False, custom_ops=["none"],
+    cache_dir=None, backend="inductor", splitting_ops=[], use_inductor_graph_partition=False, ir_op_priority={},
+    torch_version="2.13.0+cpu",
+)
+
+
+def test_the_measured_configuration_is_accepted():
+    assert profile_for_engine(ONE_GRAPH) == "vllm-compiled"
+    assert profile_for_engine(replace(ONE_GRAPH, compile_mode="VLLM_COMPILE", splitting_ops=["vllm::unified_attention"])) == (
+        "vllm-compiled-piecewise"
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        ({"vllm_version": "0.33.0"}, "vLLM version is 0.33.0"),
+        ({"torch_version": "2.14.0"}, "torch is 2.14.0"),
+        ({"custom_ops": ["+rms_norm"]}, "custom ops"),
+        ({"custom_ops": ["all"]}, "custom ops"),
+        ({"ir_op_priority": {"rms_norm": ["vllm_c"]}}, "IR op priority"),
+        ({"backend": "eager"}, "compile backend is 'eager'"),
+        ({"use_inductor_graph_partition": True}, "graph partitioning"),
+    ],
+    ids=["vllm", "torch", "custom-op", "all-custom-ops", "ir-op", "backend", "partition"],
+)
+def test_an_unmeasured_engine_configuration_is_refused_naming_what_differs(change, says):
+    with pytest.raises(UnknownEngineConfiguration) as err:
+        profile_for_engine(replace(ONE_GRAPH, **change))
+    msg = str(err.value)
+    assert says in msg and "trl-roundalign probe" in msg and "\n" not in msg, msg
+
+
+def test_a_custom_op_switched_off_is_not_a_refusal():
+    assert profile_for_engine(replace(ONE_GRAPH, custom_ops=["none", "-rms_norm"])) == "vllm-compiled"
+
+
+def test_trl_internals_that_moved_are_named():
+    from trl import GRPOTrainer
+
+    from trl_roundalign.trainer import check_trl_internals
+
+    check_trl_internals(GRPOTrainer)  # the pinned TRL passes
+
+    class Moved(GRPOTrainer):
+        _get_per_token_logps_and_entropies = None
+
+    with pytest.raises(RuntimeError, match=r"GRPOTrainer._get_per_token_logps_and_entropies is gone.*trl==1.16"):
+        check_trl_internals(Moved)
+
+    class Reordered(GRPOTrainer):
+        def _get_per_token_logps_and_entropies(self, input_ids, model, attention_mask, logits_to_keep):
+            raise AssertionError
+
+    with pytest.raises(RuntimeError, match=r"no longer takes"):
+        check_trl_internals(Reordered)
+
+
+def _peft_model(**lora):
+    import peft
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from trl_roundalign.local_models import tiny_model
+
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_model("qwen3")), dtype=torch.bfloat16)
+    return peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], **lora))
+
+
+def test_dora_is_refused_and_plain_lora_is_not():
+    from trl_roundalign.lora import check_lossless_supported
+
+    check_lossless_supported(_peft_model())
+    with pytest.raises(ValueError, match=r"LoRA variant adapters \(adapter 'default': Dora\w*\).*use_dora=False") as err:
+        check_lossless_supported(_peft_model(use_dora=True))
+    assert "\n" not in str(err.value)
