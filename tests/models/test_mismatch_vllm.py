@@ -157,14 +157,13 @@ def test_three_regions_lower_the_mismatch(name, engine):
     assert default > 0, "the stock model must differ from the engine, or this test cannot fail"
     assert three < default, {c: k3(comp, c) for c in comp.stats}
     if name == "smollm2-135m":
-        # Measured (docs/results/avx512/smollm2_three_regions.md): 41% lower on the one-graph engine and 25% on the
-        # piecewise one where vLLM-CPU loads _C (AVX-512); >= 35% on both engines with _C_AVX2. What the three regions
-        # leave on the piecewise _C engine is split between Inductor's 16-lane norm reductions and the attention
-        # kernel: either one added takes it to 34-35% lower, both (exact mode) to 0.
-        from trl_roundalign.engine import vllm_cpu_kernel_library
-
-        bound = 0.80 if (engine == "piecewise" and vllm_cpu_kernel_library() == "_C") else 0.65
-        assert three <= bound * default, f"SmolLM2: three-region k3 {three:.3e} vs default {default:.3e}"
+        # One bound for every CPU kind and engine, the lowest ratio measured anywhere plus room for the sample: 41%
+        # lower on the one-graph engine and 25% on the piecewise one where vLLM-CPU loads _C on the AMD AVX-512
+        # machine (docs/results/avx512/smollm2_three_regions.md); >= 35% on both engines with _C_AVX2; on the Intel
+        # AMX machine 30% lower (1.202e-03 vs 1.709e-03, one graph, linears in 64-row blocks) and 37% with oneDNN
+        # capped below AMX: which tokens are sampled depends on the GEMM kernel, and the ratio of means moves with
+        # them by several percent at this sample size (docs/numerics.md, "Batch-invariant linear layers").
+        assert three <= 0.80 * default, f"SmolLM2: three-region k3 {three:.3e} vs default {default:.3e}"
     if name == "peaked-qwen3":
         # With sdpa the rest is mostly attention: sdpa vs vLLM-CPU's kernel differs by ISA (three regions: 3.8x
         # lower on AVX-512, 2.3x on AVX2). With the engine's kernel the rounding locations alone: about 20x.
