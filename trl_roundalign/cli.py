@@ -98,6 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("env", help="Versions, device, detected engine mode and the profile 'auto' would choose.")
     e.add_argument("--engine", action="store_true", help="Build a tiny engine to read its mode (slower).")
+    e.add_argument(
+        "--gemm-model", default=None, metavar="PATH",
+        help="Measure the GEMM's batch invariance at this model's linear shapes (default: SmolLM2-135M's widths).",
+    )
     _engine_args(e)
     return parser
 
@@ -127,6 +131,7 @@ def cmd_env(args) -> int:
     rows["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"cpu ({platform.processor() or platform.machine()})"
     rows["vllm platform"] = "cpu" if is_vllm_cpu() else ("cuda" if torch.cuda.is_available() else "n/a")
     rows["TRITON_INTERPRET"] = os.environ.get("TRITON_INTERPRET", "unset")
+    rows.update(_gemm_rows(args.gemm_model))
     if args.engine:
         from .engine import build_llm, close_llm, engine_info, engine_kwargs_from, profile_for_engine
         from .local_models import tiny_model
@@ -153,6 +158,35 @@ def cmd_env(args) -> int:
     for k, v in rows.items():
         print(f"{k:<{width}}  {v}")
     return 0
+
+
+# SmolLM2-135M's linear shapes (q/k/v and gate/up fused as the engine computes them): where Intel AMX's GEMM was
+# first seen batch-variant (docs/results/amx/batch_invariance.md).
+_REFERENCE_SHAPES = {"qkv_proj": (576, 576, 192, 192), "o_proj": (576, 576), "lm_head": (576, 49152),
+                     "gate_up_proj": (576, 1536, 1536), "down_proj": (1536, 576)}  # gemm.linear_shapes' order
+
+
+def _gemm_rows(model: str | None) -> dict[str, str]:
+    """`env`'s lines on the CPU kind and the GEMM's batch invariance (plain F.linear, and the row blocks if needed)."""
+    from . import gemm
+
+    if model is not None:
+        from transformers import AutoConfig
+
+        try:
+            shapes, where = gemm.linear_shapes(AutoConfig.from_pretrained(model)), f"{model}'s shapes"
+        except (OSError, ValueError) as e:
+            raise UsageError(f"--gemm-model {model}: cannot read its config ({one_line(e)}).") from None
+    else:
+        shapes, where = _REFERENCE_SHAPES, "SmolLM2-135M's shapes"
+    plain = gemm.measure_batch_invariance(shapes, 1024)
+    rows = {"cpu kind": f"{gemm.cpu_kind()} ({gemm._cpu_flags()})", f"GEMM at {where}": plain.summary()}
+    if not plain.invariant:
+        blocked = gemm.measure_batch_invariance(shapes, 1024, block_rows=gemm.DEFAULT_BLOCK_ROWS)
+        rows["with row blocks"] = blocked.summary() + (
+            ": exact mode uses them ('auto')" if blocked.invariant else ": exact mode is refused here"
+        )
+    return rows
 
 
 def one_line(exc: BaseException) -> str:

@@ -170,3 +170,21 @@ def test_cli_env():
     assert "vllm-compiled" in proc.stdout
     proc = run_cli("env", "--enforce-eager")
     assert "vllm-eager-cpu" in proc.stdout
+    # The CPU kind and the GEMM's batch invariance, measured (SmolLM2's shapes by default, or a model's).
+    from trl_roundalign import gemm
+
+    assert "cpu kind" in proc.stdout and gemm.cpu_kind() in proc.stdout
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("GEMM at SmolLM2-135M's shapes"))
+    plain = gemm.measure_batch_invariance(gemm.linear_shapes(_smollm2_config()), 1024)
+    assert ("batch-invariant" in line) == plain.invariant, (line, plain.summary())
+    assert ("with row blocks" in proc.stdout) == (not plain.invariant)
+    tiny = run_cli("env", "--gemm-model", str(tiny_model("qwen3")))
+    assert "GEMM at " in tiny.stdout and "tiny" in tiny.stdout, tiny.stdout
+    assert_one_line_error(run_cli("env", "--gemm-model", "/nonexistent/model"), "--gemm-model /nonexistent/model")
+
+
+def _smollm2_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                       intermediate_size=1536, vocab_size=49152)
