@@ -587,7 +587,9 @@ def reduction_lanes_in(code: str, *, vector_floats: int | None = None) -> list[i
 _ROTATE_HALF_RE = re.compile(r"^cpp_fused_\w*_cat_\w*_neg_\w*rsqrt", re.M)
 
 
-_GEMM_MARKERS = ("extern_kernels.mm(", "extern_kernels.addmm(", "torch.ops._C.", "torch.ops.vllm.")
+# `torch.ops.roundalign.`: the linears in row blocks (`trl_roundalign.gemm`), where the machine's GEMM is
+# batch-variant; a piecewise engine's pieces then hold no other GEMM or vLLM op (the attention is split out).
+_GEMM_MARKERS = ("extern_kernels.mm(", "extern_kernels.addmm(", "torch.ops._C.", "torch.ops.vllm.", "torch.ops.roundalign.")
 
 
 def _inductor_modules(inductor_dir: str | os.PathLike) -> list[str]:
