@@ -116,12 +116,7 @@ def _score(model, sequences, engine_logps, regions, profile, backend, lanes, blo
         engine_max_model_len=max_len,
     )
     mine = hf_logprobs(model, sequences)
-    width = max(len(x) for x in mine)
-    a = torch.zeros(len(mine), width)
-    b = torch.zeros(len(mine), width)
-    mask = torch.zeros(len(mine), width, dtype=torch.long)
-    for i, (x, y) in enumerate(zip(mine, engine_logps)):
-        a[i, : len(x)], b[i, : len(y)], mask[i, : len(x)] = x, y, 1
+    a, b, mask = _padded(mine, engine_logps)
     # The statistics leave non-finite tokens out, so a NaN could read as bit-identical (or, all NaN, compare False
     # both ways): a non-finite log-prob on either side fails the check outright.
     inside = mask != 0
@@ -242,12 +237,17 @@ def _paired_standard_error(a: CandidateScore, b: CandidateScore) -> float:
 def engine_self_k3(batched: list[torch.Tensor], single: list[torch.Tensor]) -> float:
     """k3 between an engine's log-probs of the same sequences scored together and one at a time: its own noise
     (0 where its kernels are batch-invariant)."""
-    width = max(len(x) for x in batched)
-    a, b = torch.zeros(len(batched), width), torch.zeros(len(batched), width)
-    mask = torch.zeros(len(batched), width, dtype=torch.long)
-    for i, (x, y) in enumerate(zip(batched, single)):
+    return float(metrics.token_stats(*_padded(batched, single))["mismatch/kl_k3"])
+
+
+def _padded(first: list[torch.Tensor], second: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Two sides' per-sequence log-probs as `[B, T]` matrices and the mask of `first`'s tokens."""
+    width = max(len(x) for x in first)
+    a, b = torch.zeros(len(first), width), torch.zeros(len(first), width)
+    mask = torch.zeros(len(first), width, dtype=torch.long)
+    for i, (x, y) in enumerate(zip(first, second)):
         a[i, : len(x)], b[i, : len(y)], mask[i, : len(x)] = x, y, 1
-    return float(metrics.token_stats(a, b, mask)["mismatch/kl_k3"])
+    return a, b, mask
 
 
 def _int_or_none(value) -> int | None:
@@ -388,6 +388,10 @@ def verify_profile(
     result = Verification(chosen, None, scores, tokens, 0.0, engine_noise_k3=engine_noise_k3)
     margin = float(engine_noise_k3 or 0.0)
 
+    def margin_between(x: CandidateScore, y: CandidateScore) -> float:
+        """How much lower one k3 must be to count: the engine's noise, or SIGNIFICANCE_Z paired standard errors."""
+        return max(float(engine_noise_k3 or 0.0), SIGNIFICANCE_Z * _paired_standard_error(x, y))
+
     or_auto = " or 'auto'" if auto_ok else ""
 
     def fail(message: str):
@@ -427,7 +431,7 @@ def verify_profile(
             best = min(others, key=lambda s: s.kl_k3, default=None)
             result.engine_profile = chosen_base
             if best is not None:
-                margin = max(margin, SIGNIFICANCE_Z * _paired_standard_error(chosen_score, best))
+                margin = margin_between(chosen_score, best)
                 result.k3_margin = margin
             refutes = (
                 best is not None and best.kl_k3 < better_ratio * chosen_score.kl_k3
@@ -446,10 +450,7 @@ def verify_profile(
             if refutes:
                 # Among the rivals that k3 cannot tell from the best one, the profile the engine's configuration
                 # names is the one to suggest (a tiny model's k3 ties one graph and pieces by chance).
-                ties = [
-                    s for s in others
-                    if s.kl_k3 - best.kl_k3 <= max(float(engine_noise_k3 or 0.0), SIGNIFICANCE_Z * _paired_standard_error(s, best))
-                ]
+                ties = [s for s in others if s.kl_k3 - best.kl_k3 <= margin_between(s, best)]
                 suggested = next((s for s in ties if s.profile == derived), best)
                 result.engine_profile = suggested.profile
                 fail(
@@ -460,9 +461,7 @@ def verify_profile(
                     f"'{suggested.profile}'{or_auto}, or run `trl-roundalign probe`."
                 )
             d = next((s for s in others if s.profile == derived), None)
-            if d is not None and d.profile != chosen_base and d.kl_k3 - chosen_score.kl_k3 <= max(
-                float(engine_noise_k3 or 0.0), SIGNIFICANCE_Z * _paired_standard_error(chosen_score, d)
-            ):
+            if d is not None and d.profile != chosen_base and d.kl_k3 - chosen_score.kl_k3 <= margin_between(chosen_score, d):
                 # k3 does not refute the chosen profile, but it cannot confirm it either: the configuration decides.
                 result.engine_profile = derived
                 fail(
