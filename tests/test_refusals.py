@@ -86,3 +86,39 @@ def test_dora_is_refused_and_plain_lora_is_not():
     with pytest.raises(ValueError, match=r"LoRA variant adapters \(adapter 'default': Dora\w*\).*use_dora=False") as err:
         check_lossless_supported(_peft_model(use_dora=True))
     assert "\n" not in str(err.value)
+
+
+def _engine_free_trainer(tmp_path, **overrides):
+    """A real trainer without an engine (default BF16, no regions), on a bf16 tiny Llama: enough to build the optimizer."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent / "trainer"))
+    from trainer_helpers import make_config, varied_reward
+
+    from trl_roundalign import RoundAlignGRPOTrainer
+    from trl_roundalign.data import arithmetic_dataset
+    from trl_roundalign.local_models import tiny_model
+
+    args = make_config(tmp_path, use_vllm=False, roundalign_regions=[], log_mismatch=False, max_steps=1, **overrides)
+    return RoundAlignGRPOTrainer(
+        model=str(tiny_model("llama")), reward_funcs=varied_reward, args=args, train_dataset=arithmetic_dataset("train[:8]")
+    )
+
+
+def test_bf16_parameters_without_fp32_masters_are_refused_and_with_them_accepted(tmp_path):
+    """bf16 trainable parameters with `roundalign_fp32_master_weights=False` and no ZeRO/FSDP mixed precision: AdamW
+    would step the bf16 parameters and updates below half an ulp would round away. The refusal is one line naming the
+    setting; with the setting on, the optimizer is the fp32 master optimizer."""
+    import torch
+
+    from trl_roundalign.optim import MasterWeightsOptimizer
+
+    refused = _engine_free_trainer(tmp_path / "off", roundalign_fp32_master_weights=False)
+    assert any(p.dtype == torch.bfloat16 for p in refused.model.parameters())
+    with pytest.raises(ValueError, match=r"roundalign_fp32_master_weights=False.*Set roundalign_fp32_master_weights=True") as err:
+        refused.create_optimizer()
+    assert "\n" not in str(err.value)
+
+    accepted = _engine_free_trainer(tmp_path / "on")
+    assert isinstance(accepted.create_optimizer(), MasterWeightsOptimizer)

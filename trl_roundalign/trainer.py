@@ -362,6 +362,8 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
         wants_exact = "attention" in args.roundalign_regions
         if args.roundalign_profile != "auto":
             return args.roundalign_profile
+        if not args.use_vllm:
+            return "none"  # no engine to align with (regions are refused without one): HF's own rounding
         if self.roundalign_engine is None:
             raise ValueError(
                 "roundalign_profile='auto' needs the engine's configuration, which a vLLM server does not expose. Pass "
