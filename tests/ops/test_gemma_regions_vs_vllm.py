@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _bitwise import assert_bitwise_equal
+from _kernel_checks import assert_close_fp64
 from test_reference_vs_vllm import (
     ROWS,
     _hf_cos_sin,
@@ -154,21 +155,42 @@ def test_geglu_tanh(inter):
 
 
 def test_geglu_tanh_gradient_is_the_fp32_derivative():
-    gate, up = gen(30, 8, 64).requires_grad_(), gen(31, 8, 64).requires_grad_()
+    """The gradients are the tanh-GELU derivative computed in fp32 and rounded once (fp64 reference, one bf16
+    rounding's tolerance); the erf-GELU derivative, which the engine does not compute, falls outside it."""
+    gate, up = gen(30, 64, 256, scale=3.0).requires_grad_(), gen(31, 64, 256, scale=3.0).requires_grad_()
     ops.geglu_tanh(gate, up).float().sum().backward()
-    g64, u64 = gate.detach().double().requires_grad_(), up.detach().double().requires_grad_()
-    (torch.nn.functional.gelu(g64, approximate="tanh") * u64).sum().backward()
-    assert torch.allclose(gate.grad.double(), g64.grad, rtol=1e-2, atol=1e-2)
-    assert torch.allclose(up.grad.double(), u64.grad, rtol=1e-2, atol=1e-2)
+
+    def fp64_grads(approximate):
+        g64, u64 = gate.detach().double().requires_grad_(), up.detach().double().requires_grad_()
+        (torch.nn.functional.gelu(g64, approximate=approximate) * u64).sum().backward()
+        return g64.grad, u64.grad
+
+    g_tanh, u_tanh = fp64_grads("tanh")
+    assert_close_fp64(gate.grad, g_tanh, label="d gate (tanh GELU)")
+    assert_close_fp64(up.grad, u_tanh, label="d up (tanh GELU)")
+    g_erf, u_erf = fp64_grads("none")
+    for actual, wrong, label in ((gate.grad, g_erf, "d gate"), (up.grad, u_erf, "d up")):
+        with pytest.raises(AssertionError):
+            assert_close_fp64(actual, wrong, label=f"{label} against the erf-GELU derivative")
 
 
 def test_gemma_norm_gradient_reaches_w():
-    x, w = gen(32, 16, 64), gemma_weight(33, 64).requires_grad_()
-    ops.gemma_rms_norm(x, w, 1e-6, keep_fp32=True).sum().backward()
-    w64 = w.detach().double().requires_grad_()
-    xf = x.double()
-    (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + w64)).sum().backward()
-    assert torch.allclose(w.grad.double(), w64.grad, rtol=1e-2, atol=1e-2)
+    """d(1 + w) through the norm: the fp32 derivative rounded once, for x and w (fp64 reference); a gradient that
+    forgot the `1 +` (Llama's norm) falls outside the bound."""
+    x, w = gen(32, 16, 64).requires_grad_(), gemma_weight(33, 64).requires_grad_()
+    dy = gen(36, 16, 64)
+    (ops.gemma_rms_norm(x, w, 1e-6, keep_fp32=True) * dy.float()).sum().backward()
+
+    def fp64_grads(shift):
+        x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+        (x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6) * (shift + w64) * dy.double()).sum().backward()
+        return x64.grad, w64.grad
+
+    dx, dw = fp64_grads(1.0)
+    assert_close_fp64(x.grad, dx, label="d x")
+    assert_close_fp64(w.grad, dw, label="d w")
+    with pytest.raises(AssertionError):
+        assert_close_fp64(x.grad, fp64_grads(0.0)[0], label="d x without the 1 +")
 
 
 def test_triton_backend_is_refused_with_the_fix():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _kernel_checks import assert_close_fp64
 
 from trl_roundalign import apply_roundalign
 from trl_roundalign.models.qwen3_moe import (
@@ -131,15 +132,40 @@ def test_exact_experts_are_the_kernel_bit_for_bit(h, inter, experts, top_k, seed
     assert torch.equal(mine, engine), f"{(mine == engine).float().mean().item():.4f} bit-identical"
 
 
+def _experts_fp64(x, gate_up, down, idx, weights, inter):
+    """The experts' mathematics in fp64: sum over slots of w * down(silu(gate(x)) * up(x))."""
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64)
+    for k in range(idx.shape[-1]):
+        gu = torch.einsum("th,tih->ti", x, gate_up[idx[:, k]])
+        g, u = gu[:, :inter], gu[:, inter:]
+        out = out + weights[:, k : k + 1] * torch.einsum("ti,thi->th", torch.nn.functional.silu(g) * u, down[idx[:, k]])
+    return out
+
+
 def test_exact_experts_gradient_is_the_fp32_forms():
+    """The exact experts' backward is the derivative of the fp32 form: every gradient is the fp64 derivative rounded
+    once to its dtype (one rounding's tolerance), and a derivative that forgot the routing weights is outside it."""
     blk, x = _block(64, 32, 4, 2, 4)
     x2 = x[0, :8].clone().requires_grad_()
     logits = torch.nn.functional.linear(x2, blk.gate.weight)
     w, idx = _exact_router(logits.detach(), 2)
     w = w.requires_grad_()
-    _ExactExperts.apply(x2, blk.experts.gate_up_proj, blk.experts.down_proj, w, idx, 32).float().sum().backward()
-    assert x2.grad is not None and w.grad is not None and blk.experts.gate_up_proj.grad is not None
-    assert torch.isfinite(x2.grad.float()).all() and x2.grad.abs().sum() > 0
+    dy = torch.randn(8, 64, generator=torch.Generator().manual_seed(5)).bfloat16()
+    out = _ExactExperts.apply(x2, blk.experts.gate_up_proj, blk.experts.down_proj, w, idx, 32)
+    (out.float() * dy.float()).sum().backward()
+
+    def fp64_grads(weights):
+        leaves = [t.detach().double().requires_grad_() for t in (x2, blk.experts.gate_up_proj, blk.experts.down_proj, weights)]
+        (_experts_fp64(*leaves[:3], idx, leaves[3], 32) * dy.double()).sum().backward()
+        return [leaf.grad for leaf in leaves]
+
+    dx, dgu, dd, dw = fp64_grads(w)
+    assert_close_fp64(x2.grad, dx, label="d x")
+    assert_close_fp64(blk.experts.gate_up_proj.grad, dgu, label="d gate_up")
+    assert_close_fp64(blk.experts.down_proj.grad, dd, label="d down")
+    assert_close_fp64(w.grad, dw, label="d routing weights")
+    with pytest.raises(AssertionError):
+        assert_close_fp64(x2.grad, fp64_grads(torch.ones_like(w))[0], label="d x with unit routing weights")
 
 
 def test_none_profile_is_transformers_block_and_exact_needs_the_avx2_kernels():

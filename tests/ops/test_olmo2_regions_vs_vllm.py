@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _bitwise import assert_bitwise_equal
+from _kernel_checks import assert_close_fp64
 from test_reference_vs_vllm import ROWS, compiled, gen, reduction_lanes_of, vllm_rms_norm, weight
 from torch._inductor.utils import run_and_get_code
 
@@ -137,15 +138,43 @@ def test_engine_cos_sin_matches_the_graphs_cos_for_odd_lengths():
     assert torch.equal(c, c_eng) and torch.equal(s, s_eng)
 
 
+def _qk_norm_rope_fp64(x, w, cos, sin, head_dim):
+    n = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * w
+    n = n.view(*x.shape[:-1], -1, head_dim)
+    h = head_dim // 2
+    rotated = torch.cat((-n[..., h:], n[..., :h]), dim=-1)
+    return n * cos.unsqueeze(-2) + rotated * sin.unsqueeze(-2)
+
+
 def test_gradients_are_the_fp32_derivative():
+    """Both OLMo 2 regions' gradients are their mathematics' derivative in fp32, rounded once to the leaf dtype
+    (fp64 reference, one rounding's tolerance); a derivative without the norm weight falls outside it."""
     x, w = gen(50, 1, 8, 128).requires_grad_(), weight(51, 128).requires_grad_()
     pos = torch.arange(8)[None]
     cos, sin = engine_cos_sin(1.0 / (1e4 ** (torch.arange(0, 32, 2).float() / 32)), pos)
-    olmo2_qk_norm_rope(x, w, EPS, cos, sin, 32).float().sum().backward()
-    assert x.grad is not None and w.grad is not None and x.grad.dtype == torch.bfloat16
-    a, res = gen(52, 8, 64).requires_grad_(), gen(53, 8, 64).requires_grad_()
-    olmo2_post_norm_add(a, res, weight(54, 64), EPS, keep_fp32=True).sum().backward()
-    assert torch.equal(res.grad, torch.ones_like(res))
+    dy = gen(57, 1, 8, 4, 32)
+    (olmo2_qk_norm_rope(x, w, EPS, cos, sin, 32).float() * dy.float()).sum().backward()
+
+    def fp64_grads(w_value):
+        x64, w64 = x.detach().double().requires_grad_(), w_value.detach().double().requires_grad_()
+        (_qk_norm_rope_fp64(x64, w64, cos.double(), sin.double(), 32) * dy.double()).sum().backward()
+        return x64.grad, w64.grad
+
+    dx, dw = fp64_grads(w)
+    assert x.grad.dtype == torch.bfloat16
+    assert_close_fp64(x.grad, dx, label="qk-norm-rope d x")
+    assert_close_fp64(w.grad, dw, label="qk-norm-rope d w")
+    with pytest.raises(AssertionError):
+        assert_close_fp64(x.grad, fp64_grads(torch.ones_like(w))[0], label="d x with a unit norm weight")
+
+    a, res, wn = gen(52, 8, 64).requires_grad_(), gen(53, 8, 64).requires_grad_(), weight(54, 64).requires_grad_()
+    dz = gen(58, 8, 64)
+    (olmo2_post_norm_add(a, res, wn, EPS, keep_fp32=True) * dz.float()).sum().backward()
+    a64, w64 = a.detach().double().requires_grad_(), wn.detach().double().requires_grad_()
+    ((a64 * torch.rsqrt(a64.pow(2).mean(-1, keepdim=True) + EPS) * w64) * dz.double()).sum().backward()
+    assert torch.equal(res.grad, dz), "the residual's gradient is the incoming one, unrounded twice"
+    assert_close_fp64(a.grad, a64.grad, label="post-norm d a")
+    assert_close_fp64(wn.grad, w64.grad, label="post-norm d w")
 
 
 def test_triton_backend_is_refused():
