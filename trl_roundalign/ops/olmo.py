@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from ..profiles import Profile
-from ._common import check_half_or_stream, norm_forward_fp32, norm_lanes, resolve_reference_only
+from ._common import check_half_or_stream, norm_forward_fp32, norm_lanes, resolve_reference_only, round_keep_grad
 
 __all__ = ["engine_cos_sin", "olmo2_post_norm_add", "olmo2_qk_norm_rope", "olmo2_rms_norm"]
 
@@ -148,7 +148,7 @@ def olmo2_qk_norm_rope(
     if prof.qk_norm != "fp32-fused":
         raise ValueError(f"profile {prof.name!r} (q/k-norm {prof.qk_norm!r}) is not measured for OLMo 2.")
     n = _normed_fp32(x, weight, eps, norm_lanes(prof, reduction_lanes)).view(shape)
-    rot = _rotate_half(n).to(x.dtype)
+    rot = round_keep_grad(_rotate_half(n), x.dtype)  # the engine stores it in bf16; the gradient stays fp32
     return ((n * c) + (rot * s)).to(x.dtype)
 
 
