@@ -142,7 +142,7 @@ def _engine_syncs_over_gloo() -> bool:
     """True inside the model load of an engine whose weight-transfer backend is trl-roundalign's gloo one."""
     from vllm.config import get_current_vllm_config_or_none
 
-    from .weight_transfer import BACKEND
+    from .weight_transfer.backend import BACKEND
 
     config = get_current_vllm_config_or_none()
     transfer = getattr(config, "weight_transfer_config", None)

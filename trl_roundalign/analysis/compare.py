@@ -1,8 +1,11 @@
-"""Conditions (region sets under a profile) and their mismatch against the engine, token by token."""
+"""Conditions (region sets under a profile) and their mismatch against the engine, token by token.
+
+The conditions themselves (`Condition`, `build_conditions`, `apply_condition`) live in `conditions`, shared with
+`per_layer`; they are re-exported here.
+"""
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -10,8 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from .. import metrics
-from ..patching import apply_roundalign, revert_roundalign
-from ..profiles import ALL_REGIONS, PAPER_CONDITIONS, PAPER_REGIONS, get_profile
+from ..patching import revert_roundalign
+from ..profiles import PAPER_REGIONS, get_profile
+from .conditions import CONDITION_SETS, Condition, apply_condition, build_conditions
 from .scoring import Sample, hf_logprobs
 
 logger = logging.getLogger(__name__)
@@ -29,73 +33,6 @@ __all__ = [
     "run_engine",
     "score_conditions",
 ]
-
-CONDITION_SETS = ("paper", "regions", "all")
-_PAPER_NAMES = {regions: name for name, regions in PAPER_CONDITIONS.items()}
-
-
-@dataclass(frozen=True)
-class Condition:
-    """A region set under a rounding profile, with a name for tables."""
-
-    name: str
-    regions: tuple[str, ...]
-    profile: str
-
-
-def _name(regions: tuple[str, ...]) -> str:
-    return _PAPER_NAMES.get(regions) or "+".join(regions)
-
-
-def build_conditions(which: str, profile: str, *, exact: bool = False) -> list[Condition]:
-    """The conditions of one analysis.
-
-    Args:
-        which: `"paper"` (default BF16, RoPE-only, three regions), `"regions"` (default, each region
-            alone, the three together) or `"all"` (all 8 subsets of the three regions).
-        profile: the aligned conditions' profile (the default condition always uses `none`).
-        exact: append the exact mode: `ALL_REGIONS` under the exact refinement of `profile`
-            (`vllm-compiled-exact`, `vllm-compiled-piecewise-exact`).
-    """
-    from ..engine import exact_profile_for
-
-    if which == "paper":
-        sets = [(), ("rope",), PAPER_REGIONS]
-    elif which == "regions":
-        sets = [()] + [(r,) for r in PAPER_REGIONS] + [PAPER_REGIONS]
-    elif which == "all":
-        sets = [tuple(c) for k in range(4) for c in itertools.combinations(PAPER_REGIONS, k)]
-    else:
-        raise ValueError(f"Unknown condition set {which!r}; choose one of {', '.join(CONDITION_SETS)}.")
-    out = [Condition(_name(s), s, "none" if not s else profile) for s in sets]
-    if exact:
-        out.append(Condition("exact", ALL_REGIONS, exact_profile_for(profile)))
-    return out
-
-
-def apply_condition(
-    model: torch.nn.Module,
-    cond: Condition,
-    reduction_lanes: Sequence[int] | None,
-    attention_block_size: int | None,
-    backend: str | None = None,
-    engine_max_model_len: int | None = None,
-    gemm_block_rows: int = 0,
-) -> None:
-    """Revert whatever patches `model` has, then apply `cond`'s (lanes and block size where its profile uses them;
-    the engine's max_model_len for LongRoPE models). An aligned condition's linears compute as the engine's do
-    (`gemm_block_rows`, `trl_roundalign.gemm`), as the trainer's do; the default condition keeps plain `F.linear`."""
-    from ..gemm import install_row_blocked_linears
-
-    revert_roundalign(model)
-    install_row_blocked_linears(model, gemm_block_rows if cond.regions else 0)
-    lanes = reduction_lanes if get_profile(cond.profile).reduction == "inductor-cpu" else None
-    block = attention_block_size if get_profile(cond.profile).attention == "vllm-cpu" else None
-    apply_roundalign(
-        model, cond.regions, cond.profile, backend, reduction_lanes=lanes, positions_from_mask=False,
-        attention_block_size=block, engine_max_model_len=engine_max_model_len,
-    )
-
 
 def score_conditions(
     model_path,

@@ -143,7 +143,7 @@ def per_layer_differences(
     """
     from transformers import AutoModelForCausalLM
 
-    from .compare import apply_condition
+    from .conditions import apply_condition
 
     by_name = {c.name: c for c in conditions}
     if reference not in by_name:

@@ -43,7 +43,7 @@ from rank 0. Gloo is synchronous, so there is nothing to drain afterwards.
 
 from __future__ import annotations
 
-BACKEND = "gloo"
+from .backend import BACKEND
 
 __all__ = ["BACKEND", "register"]
 
