@@ -38,7 +38,10 @@ def check_report(out, summary, *, names):
 
 def check_per_layer(out, on_disk, *, names):
     """`--per-layer`: the CSV and PNG, one row per condition, layer and point; the reference checked against the
-    engine; the exact mode against itself all zero (the hooks' own check); three regions closer than default BF16."""
+    engine (its log-probs bit-identical to the engine's prefill: the claim that anchors every row); the reference
+    forward re-run after every other condition bit-identical to its first run (switching conditions leaves nothing
+    behind in the model, and the hooks read the same values); every other condition differs from it somewhere (the
+    comparison sees differences); three regions closer than default BF16 at the final norm."""
     import csv
 
     assert (out / "per_layer.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -53,6 +56,8 @@ def check_per_layer(out, on_disk, *, names):
     for r in pl["rows"]:
         if r["condition"] == "exact":
             assert r["rel_l2"] == 0.0 and r["frac_bit_identical"] == 1.0, r
+    for name in set(names) - {"exact"}:
+        assert any(r["rel_l2"] > 0 for r in pl["rows"] if r["condition"] == name), f"{name}: no difference anywhere"
     final = {r["condition"]: r["rel_l2"] for r in pl["rows"] if r["point"] == "final_norm"}
     assert 0 < final["three_region"] < final["bf16_default"], final
     assert "## Per layer" in (out / "summary.md").read_text()
