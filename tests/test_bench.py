@@ -187,7 +187,9 @@ def test_bench_model_quick(tmp_path):
     assert base["overhead_pct"] == 0.0 and base["d_held_full_gib"] == 0.0
     aligned = done[("three_region", "torch", "on")]
     # Under checkpointing the aligned layers keep an fp32 layer input (the residual stream): twice the bytes.
-    assert aligned["held_per_layer_mib"] > base["held_per_layer_mib"]
+    # cost.md's claim, 2x (bench/results/bench_model.json: 0.38 -> 0.75, 0.5 -> 1.0, 0.63 -> 1.25, 1.0 -> 2.0 MiB).
+    # Both values are rounded to 0.01 MiB.
+    assert aligned["held_per_layer_mib"] == pytest.approx(2 * base["held_per_layer_mib"], abs=0.0151), (aligned, base)
     assert "paper" in out and "layers" in out
 
 
@@ -221,7 +223,6 @@ def test_gpu_check_dry_run(tmp_path):
         "gpu_check.log", "gpu_tests.log", "gpu_tests.xml", "bench_ops.json", "bench_ops.csv", "bench_model.json",
         "bench_model.csv", "summary.md",
     }  # fmt: skip
-    assert len(names) <= 8  # what the device tool brings back
     tail = proc.stdout.strip().splitlines()[-12:]
     assert any("paper:" in line for line in tail), "the summary table must come last"
     assert "GPU tests (pytest -m gpu)" in (tmp_path / "summary.md").read_text()

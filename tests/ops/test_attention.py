@@ -547,8 +547,35 @@ def test_a_window_that_covers_every_sequence_is_passed_to_the_kernel_and_masks_n
     query, key, value, padding_mask = _padded_batch()
     module = _Module()
     full, _ = hf_attention_interface(module, query, key, value, padding_mask)
-    windowed, _ = hf_attention_interface(module, query, key, value, padding_mask, sliding_window=T_PAD)
+    import trl_roundalign.ops.attention as attention
+
+    real, seen = attention.vllm_cpu_attention_forward, []
+
+    def recording(*args, **kwargs):  # the real kernel call, with the window it was given recorded
+        seen.append(kwargs["sliding_window"])
+        return real(*args, **kwargs)
+
+    attention.vllm_cpu_attention_forward = recording
+    try:
+        windowed, _ = hf_attention_interface(module, query, key, value, padding_mask, sliding_window=T_PAD)
+    finally:
+        attention.vllm_cpu_attention_forward = real
+    assert seen == [T_PAD], seen  # the window reached the kernel call
     assert torch.equal(full, windowed)
+
+
+def test_the_kernel_applies_the_window_it_is_given():
+    """The window the package passes is one the kernel uses: shorter than a sequence, it changes exactly the rows
+    that have keys outside it (so a window dropped on the way would be seen in the test above's recording, and a
+    window the kernel ignored here)."""
+    q, k, v = random_qkv([16], 4, 2, 32)
+    full = vllm_cpu_attention_forward(q, k, v, scale=0.17, seq_lens=[16])
+    windowed = vllm_cpu_attention_forward(q, k, v, scale=0.17, seq_lens=[16], sliding_window=5)
+    same = (full == windowed).flatten(1).all(-1)
+    # vLLM's window w: query i sees keys i-w+1..i (rows before w see their whole prefix)
+    first_changed = int((~same).nonzero()[0])
+    assert same[:first_changed].all() and not same[first_changed:].any(), same.tolist()
+    assert first_changed == 5, first_changed  # query 5 is the first whose window (1..5) leaves out key 0
 
 
 def test_hf_interface_rejects_unsupported_calls():
