@@ -6,7 +6,7 @@ export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 
-.PHONY: setup test test-full test-fast demo experiment bench lint results clean
+.PHONY: setup test test-full test-fast demo experiment bench lint results figures docs clean
 
 setup:
 	@bash scripts/setup.sh
@@ -40,6 +40,14 @@ results: setup
 	$(PY) scripts/mismatch_table.py --models tiny-phi3,tiny-gemma3,peaked-qwen3-moe --name families_table
 	$(PY) scripts/mismatch_table.py --models peaked-olmo2 --name olmo2_table
 	$(PY) scripts/newer_families.py
+
+# The documentation's figures, drawn from the committed artifacts only (seconds).
+figures: setup
+	$(PY) scripts/figures.py
+
+# The documentation site, served at http://127.0.0.1:8000 (offline; `make test` builds it with --strict).
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve --strict -a 127.0.0.1:$(or $(DOCS_PORT),8000)
 
 lint: setup
 	$(PY) -m ruff check trl_roundalign tests bench recipes scripts
