@@ -478,6 +478,13 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
             return None  # default BF16: nothing is aligned, so no profile to check
         if self.roundalign_engine is None:
             return self._verify_profile_server(args)
+        from .verify import verify_on_main_process, weights_arrive_at_prepare
+
+        if weights_arrive_at_prepare():  # the other processes hold placeholder weights until accelerate prepares
+            return verify_on_main_process(lambda: self._verify_colocated(args))
+        return self._verify_colocated(args)
+
+    def _verify_colocated(self, args: RoundAlignGRPOConfig):
         from .analysis.scoring import vllm_prefill_logprobs
         from .verify import verification_sequences, verify_profile
 

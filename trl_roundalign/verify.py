@@ -36,7 +36,9 @@ __all__ = [
     "server_engine_info",
     "server_prompt_logprobs",
     "verification_sequences",
+    "verify_on_main_process",
     "verify_profile",
+    "weights_arrive_at_prepare",
 ]
 
 # Fixed text, tokenised by the engine's tokenizer: the same tokens on both sides, no sampling.
@@ -58,6 +60,35 @@ STRICTLY_BETTER = 1.0
 
 class ProfileMismatch(ValueError):
     """The chosen profile does not describe the running engine."""
+
+
+def weights_arrive_at_prepare() -> bool:
+    """FSDP with CPU-RAM-efficient loading (`fsdp_cpu_ram_efficient_loading: true`, the FSDP2 recipe's setting):
+    transformers loads zeros on every process but each node's first, and accelerate broadcasts process 0's weights
+    only when it prepares the model, at `train()`. Until then the policy cannot be scored on those processes."""
+    try:
+        from transformers.modeling_utils import is_fsdp_enabled
+    except ImportError:  # a transformers without FSDP loading
+        return False
+    return bool(is_fsdp_enabled())
+
+
+def verify_on_main_process(check):
+    """Run the start-up check `check()` on process 0 only and hand its result, or its failure, to every process (see
+    `weights_arrive_at_prepare`: a process scoring its placeholder weights refuted every profile, 0.0% bit-identical,
+    measured in two-process FSDP2 on CPU). Every process runs the same engine configuration."""
+    from accelerate.utils import broadcast_object_list
+
+    payload = [None]
+    if torch.distributed.get_rank() == 0:
+        try:
+            payload = [check()]
+        except Exception as e:  # noqa: BLE001 - broadcast, so that no process waits for a payload that never comes
+            payload = [(type(e) if isinstance(e, (ProfileMismatch, ValueError, RuntimeError)) else RuntimeError, str(e))]
+    broadcast_object_list(payload, from_process=0)
+    if isinstance(payload[0], tuple):
+        raise payload[0][0](payload[0][1])
+    return payload[0]
 
 
 @dataclass
