@@ -49,7 +49,7 @@ from .logprobs import install as install_sampler_logprobs
 from .logprobs import sampler_logprobs
 from .logprobs import supports as logprobs_supports
 from .optim import MasterWeightsOptimizer, aligned_fsdp2_policy, distributed_master_weights, noop_comm_hook
-from .patching import apply_roundalign, get_patch_report
+from .patching import apply_roundalign, get_patch_report, restore_fp32_rope_frequencies
 from .profiles import is_exact
 
 logger = logging.getLogger(__name__)
@@ -412,6 +412,8 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
         targets = [self.model] + ([self.ref_model] if getattr(self, "ref_model", None) is not None else [])
         report = None
         for target in targets:
+            if restore_fp32_rope_frequencies(target):  # ZeRO-3's zero.Init loaded them in bf16
+                logger.info("RoPE frequencies recomputed in fp32 (they were loaded in %s)", self.model.dtype)
             report_t = apply_roundalign(
                 target,
                 args.roundalign_regions,
@@ -478,11 +480,12 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
             return None  # default BF16: nothing is aligned, so no profile to check
         if self.roundalign_engine is None:
             return self._verify_profile_server(args)
-        from .verify import verify_on_main_process, weights_arrive_at_prepare
+        from .verify import verify_on_main_process, weights_arrive_at_prepare, zero3_gathered
 
         if weights_arrive_at_prepare():  # the other processes hold placeholder weights until accelerate prepares
             return verify_on_main_process(lambda: self._verify_colocated(args))
-        return self._verify_colocated(args)
+        with zero3_gathered(self.model):
+            return self._verify_colocated(args)
 
     def _verify_colocated(self, args: RoundAlignGRPOConfig):
         from .analysis.scoring import vllm_prefill_logprobs

@@ -39,6 +39,7 @@ __all__ = [
     "verify_on_main_process",
     "verify_profile",
     "weights_arrive_at_prepare",
+    "zero3_gathered",
 ]
 
 # Fixed text, tokenised by the engine's tokenizer: the same tokens on both sides, no sampling.
@@ -71,6 +72,23 @@ def weights_arrive_at_prepare() -> bool:
     except ImportError:  # a transformers without FSDP loading
         return False
     return bool(is_fsdp_enabled())
+
+
+def zero3_gathered(model):
+    """The whole policy gathered on every process under DeepSpeed ZeRO-3 (a no-op otherwise). With `zero3_init_flag`
+    (the ZeRO-3 recipe's setting) the parameters are partitioned as they load, empty until DeepSpeed's hooks gather
+    them; the start-up check runs before `train()` installs those hooks ('weight' must be 2-D, measured on CPU)."""
+    import contextlib
+
+    try:
+        from transformers.integrations import is_deepspeed_zero3_enabled
+    except ImportError:
+        return contextlib.nullcontext()
+    if not is_deepspeed_zero3_enabled():
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None)
 
 
 def verify_on_main_process(check):
