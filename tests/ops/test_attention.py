@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -279,12 +280,50 @@ def test_short_sequences_do_not_depend_on_threads_or_batch():
 def test_block_size_does_not_change_the_vec_path(block_size):
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    if _get_attn_isa(torch.bfloat16, block_size, 64) != _get_attn_isa(torch.bfloat16, 128, 64):
-        pytest.skip("this CPU picks another ISA for this block size")
+    if _get_attn_isa(torch.bfloat16, 128, 64) != "vec":
+        pytest.skip("this CPU takes the amx path: test_vec_path_claims_run_on_an_amx_cpu runs this in a process without")
+    assert _get_attn_isa(torch.bfloat16, block_size, 64) == "vec"
     lens = [9, 150, 260]
     q, k, v = random_qkv(lens, 4, 2, 64, seed=3)
     ref = vllm_cpu_attention_forward(q, k, v, scale=0.125, seq_lens=lens)
     assert_bitwise(vllm_cpu_attention_forward(q, k, v, scale=0.125, seq_lens=lens, block_size=block_size), ref)
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_vec_path_claims_run_on_an_amx_cpu(tmp_path):
+    """Where vLLM-CPU takes the amx path, the vec-path tests (block size, the fp32-probability bound) run in a fresh
+    process whose AMX probe answers no, as on an AVX-512 CPU without AMX, and must pass there, none skipped."""
+    import subprocess
+    import sys
+
+    from _env import subprocess_env
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    if _get_attn_isa(torch.bfloat16, 128, 64) != "amx":
+        pytest.skip("this CPU takes the vec path itself: the tests ran in this process")
+    env = subprocess_env(ROUNDALIGN_TEST_AS_CPU="no-amx")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", __file__, "-k",
+         "does_not_change_the_vec_path or within_bf16_rounding or vec_isa_is_taken"],
+        capture_output=True, text=True, env=env, timeout=900, cwd=Path(__file__).resolve().parents[2],
+    )
+    tail = proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0, tail
+    # 3 block sizes, 2 head dims, the ISA check: all run, none skipped.
+    assert "skipped" not in proc.stdout and "6 passed" in proc.stdout, tail
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_vec_isa_is_taken_where_amx_is_absent():
+    """In a process without AMX (any CPU but the Intel AMX kind, or the no-amx process above) vLLM-CPU picks the vec
+    path for a head dim that is a multiple of 32, and the package's wrapper asks vLLM's own choice."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    if torch.cpu._is_amx_tile_supported():
+        pytest.skip("this process has AMX: test_vec_path_claims_run_on_an_amx_cpu runs this in one without")
+    assert _get_attn_isa(torch.bfloat16, 128, 64) == "vec"
 
 
 @pytest.mark.vllm

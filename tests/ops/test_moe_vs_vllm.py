@@ -10,9 +10,12 @@ experts and, given the same fp32 router weights, the block is closer to the kern
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from _kernel_checks import assert_close_fp64
+from _paired import assert_significantly_lower
 
 from trl_roundalign import apply_roundalign
 from trl_roundalign.models.qwen3_moe import (
@@ -72,17 +75,28 @@ def test_aligned_moe_block_is_closer_to_vllms_kernel_than_transformers(h, inter,
         aligned = aligned_moe_forward(blk, x)[0]
     (hf_eq, hf_diff), (al_eq, al_diff) = _stats(hf, engine), _stats(aligned, engine)
     # Both differ from the kernel by about one bf16 ulp on average (its GEMM blocking and fast exp are its own); the
-    # aligned block by 16% less (measured on the AVX2 machine: 1.72e-3 vs 2.04e-3, 4.78e-3 vs 5.60e-3). The
-    # bit-identical fraction is no guide at this level (14.8% vs 19.7%), so it is reported, not asserted.
-    assert al_diff < 0.9 * hf_diff, f"aligned {al_eq:.4f}/{al_diff:.3e} vs transformers {hf_eq:.4f}/{hf_diff:.3e}"
+    # aligned block less (measured on the AVX2 machine: 1.72e-3 vs 2.04e-3, 4.78e-3 vs 5.60e-3). Decided per output
+    # element, paired: |transformers - kernel| - |aligned - kernel| above 3 of its standard errors (tests/_paired.py),
+    # not a ratio fitted to one machine.
+    assert_significantly_lower(
+        (aligned.float() - engine.float()).abs().flatten().tolist(),
+        (hf.float() - engine.float()).abs().flatten().tolist(),
+        label=f"aligned {al_eq:.4f}/{al_diff:.3e} vs transformers {hf_eq:.4f}/{hf_diff:.3e}",
+    )
+    # Not the kernel's arithmetic: the AVX2 library's kernel truncates where the fp32 form rounds (14.8% of outputs
+    # bit-identical on the AVX2 machine); the AVX-512 library's rounds as the fp32 form does, so more agree (58-59% on
+    # the AVX-512 machine, 2026-12-02), but its GEMM blocking and exp are its own. The exact form is the bitwise one.
     from trl_roundalign.engine import vllm_cpu_kernel_library
 
-    if vllm_cpu_kernel_library() == EXACT_KERNEL_LIBRARY:
-        assert al_eq < 0.5, "the fp32 form is not the kernel's arithmetic (it rounds where the AVX2 kernel truncates)"
-    else:
-        # The AVX-512 library's kernel rounds to bf16 as the fp32 form does, so more outputs agree (58-59% on the
-        # AVX-512 machine, 2026-12-02), but not all: its GEMM blocking and exp are its own (the exact form is refused).
-        assert al_eq < 1.0, f"the fp32 form is not the {vllm_cpu_kernel_library()} kernel's arithmetic ({al_eq:.4f})"
+    assert al_eq < 1.0, f"the fp32 form is not the {vllm_cpu_kernel_library()} kernel's arithmetic ({al_eq:.4f})"
+
+
+def _mapped_kernel_libraries() -> set[str]:
+    """vLLM's kernel libraries this process has mapped (read from the loader, not from any probe)."""
+    import vllm._custom_ops  # noqa: F401  (imports the platform's kernels)
+
+    maps = Path("/proc/self/maps").read_text()
+    return {name for name in ("_C.abi3.so", "_C_AVX2.abi3.so", "_C_AVX512.abi3.so") if f"/vllm/{name}" in maps}
 
 
 def _needs_avx2_kernels():
@@ -90,8 +104,39 @@ def _needs_avx2_kernels():
 
     library = vllm_cpu_kernel_library()
     if library != EXACT_KERNEL_LIBRARY:
-        pytest.skip(f"the exact MoE form reproduces vLLM-CPU's {EXACT_KERNEL_LIBRARY} kernels; this CPU loads {library} "
-                    "(its exact profile is refused here, tested below)")
+        pytest.skip(f"this process loads vLLM-CPU's {library}: test_avx2_kernel_claims_run_on_any_x86_cpu runs this "
+                    f"test in a process that loads {EXACT_KERNEL_LIBRARY}")
+    assert _mapped_kernel_libraries() == {f"{EXACT_KERNEL_LIBRARY}.abi3.so"}, _mapped_kernel_libraries()
+
+
+def test_avx2_kernel_claims_run_on_any_x86_cpu(tmp_path):
+    """The exact MoE form's claims are about vLLM-CPU's AVX2 kernel library, which any x86-64 CPU with AVX2 runs:
+    where this process loads another library, the tests that need it run in a fresh process that loads it (vLLM-CPU
+    told the CPU has neither AVX-512 nor AMX, torch and Inductor capped at AVX2 as on an AVX2 machine), and
+    must pass there."""
+    import subprocess
+    import sys
+
+    from _env import subprocess_env
+
+    from trl_roundalign.engine import vllm_cpu_kernel_library
+
+    if vllm_cpu_kernel_library() == EXACT_KERNEL_LIBRARY:
+        pytest.skip(f"this process loads {EXACT_KERNEL_LIBRARY}: the tests ran in it")
+    env = subprocess_env()
+    env.update(
+        ROUNDALIGN_TEST_AS_CPU="avx2", ATEN_CPU_CAPABILITY="avx2", ONEDNN_MAX_CPU_ISA="AVX2",
+        TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
+    )
+    selected = "exact_experts_are_the_kernel or exact_router_is_the_compiled_router or exact_needs_the_avx2_kernels"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", __file__, "-k", selected],
+        capture_output=True, text=True, env=env, timeout=900, cwd=Path(__file__).resolve().parents[2],
+    )
+    tail = proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0, tail
+    # 4 expert shapes, 4 router shapes, the exact profile accepted: all run, none skipped.
+    assert "skipped" not in proc.stdout and "9 passed" in proc.stdout, tail
 
 
 @pytest.mark.parametrize(("experts", "top_k", "renormalize"), [(4, 2, False), (8, 3, False), (16, 4, True), (128, 8, True)])
