@@ -33,8 +33,9 @@ def test_the_measured_configuration_is_accepted():
         ({"ir_op_priority": {"rms_norm": ["vllm_c"]}}, "IR op priority"),
         ({"backend": "eager"}, "compile backend is 'eager'"),
         ({"use_inductor_graph_partition": True}, "graph partitioning"),
+        ({"tensor_parallel_size": 2}, "tensor parallel size is 2"),
     ],
-    ids=["vllm", "torch", "custom-op", "all-custom-ops", "ir-op", "backend", "partition"],
+    ids=["vllm", "torch", "custom-op", "all-custom-ops", "ir-op", "backend", "partition", "tensor-parallel"],
 )
 def test_an_unmeasured_engine_configuration_is_refused_naming_what_differs(change, says):
     with pytest.raises(UnknownEngineConfiguration) as err:

