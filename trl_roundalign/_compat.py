@@ -11,12 +11,16 @@ linears then equal Hugging Face's bit for bit (docs/numerics.md: the packed kern
 1e-4 of outputs when the inner dimension is 576 or more).
 
 `install_gloo_server_weight_sync_fix()`: the same for a `trl vllm-serve` engine that syncs over the gloo
-weight-transfer backend (applied at model load, only to engines with that backend).
+weight-transfer backend (applied at model load, only to engines with that backend), and for the worker processes
+of an engine built with the fix (`tensor_parallel_size > 1`, multiprocess executor): vLLM-CPU spawns them, so
+`build_llm` sets `WORKERS_FIX_ENV` while it builds and the plugin applies the fix in each worker.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 
 import torch
 
@@ -31,6 +35,8 @@ __all__ = [
 ]
 
 _FIX_ATTR = "_roundalign_weight_sync_fix"
+# Set (by `engine.build_llm`) while an engine with the fix is built: its spawned workers apply the fix too.
+WORKERS_FIX_ENV = "ROUNDALIGN_VLLM_CPU_WORKERS_FIX"
 _GLOO_ATTR = "_roundalign_gloo_weight_sync_fix"
 
 
@@ -167,6 +173,8 @@ def install_gloo_server_weight_sync_fix() -> bool:
     """
     if not is_vllm_cpu():
         return False
+    if os.environ.get(WORKERS_FIX_ENV) == "1":  # a worker of an engine that `build_llm` builds with the fix
+        return apply_vllm_cpu_weight_sync_fix()
     import vllm.model_executor.layers.utils as vllm_utils
 
     current = getattr(vllm_utils, "dispatch_cpu_unquantized_gemm", None)
@@ -188,6 +196,24 @@ def install_gloo_server_weight_sync_fix() -> bool:
     dispatch.__dict__[_GLOO_ATTR] = True
     vllm_utils.dispatch_cpu_unquantized_gemm = dispatch
     return True
+
+
+@contextlib.contextmanager
+def workers_weight_sync_fix():
+    """While an engine is built: the worker processes it spawns (`tensor_parallel_size > 1` with the multiprocess
+    executor) apply the weight-sync fix when this process has it (`WORKERS_FIX_ENV`, read by the plugin)."""
+    if not (is_vllm_cpu() and vllm_cpu_weight_sync_fix_applied()):
+        yield
+        return
+    old = os.environ.get(WORKERS_FIX_ENV)
+    os.environ[WORKERS_FIX_ENV] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(WORKERS_FIX_ENV, None)
+        else:
+            os.environ[WORKERS_FIX_ENV] = old
 
 
 def _vllm_version() -> str:

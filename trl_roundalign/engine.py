@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import glob
-import hashlib
 import logging
 import os
 import re
@@ -162,7 +161,6 @@ def fresh_rope_cache():
         cache.update(saved)
 
 
-
 def build_llm(
     model: str | os.PathLike,
     *,
@@ -224,7 +222,10 @@ def build_llm(
     with scoped_cache_root(root), fresh_rope_cache(), engine_build_context(llm_kwargs.get("compilation_config")):
         llm = LLM(model=str(model), enforce_eager=enforce_eager, seed=seed, **llm_kwargs)
     llm._roundalign_cache_root = root
-    llm._roundalign_gemm_block_rows = dispatched_block_rows()
+    rows = dispatched_block_rows()  # None where the linears were dispatched in worker processes (TP > 1)
+    if rows is None and weight_sync_fix and is_vllm_cpu() and llm_kwargs.get("tensor_parallel_size", 1) > 1:
+        rows = int(os.environ.get("ROUNDALIGN_GEMM_BLOCK_ROWS") or 0)  # the setting the workers inherited (gemm)
+    llm._roundalign_gemm_block_rows = rows
     record_inductor_dir(llm)
     return llm
 
@@ -286,13 +287,12 @@ def wants_piecewise(compilation_config) -> bool:
 
 @contextlib.contextmanager
 def engine_build_context(compilation_config):
-    """Around a `vllm.LLM(...)` build: honour an explicit piecewise request on vLLM-CPU (see `_compat`)."""
-    if is_vllm_cpu() and wants_piecewise(compilation_config):
-        from ._compat import vllm_cpu_piecewise
+    """Around a `vllm.LLM(...)` build: honour an explicit piecewise request on vLLM-CPU, and give the workers a
+    TP > 1 engine spawns this process's weight-sync fix (see `_compat`)."""
+    from ._compat import vllm_cpu_piecewise, workers_weight_sync_fix
 
-        with vllm_cpu_piecewise():
-            yield
-    else:
+    piecewise = is_vllm_cpu() and wants_piecewise(compilation_config)
+    with workers_weight_sync_fix(), (vllm_cpu_piecewise() if piecewise else contextlib.nullcontext()):
         yield
 
 
@@ -465,7 +465,7 @@ class UnknownEngineConfiguration(ValueError):
     """The engine's configuration is not one whose rounding the project has measured."""
 
 
-def profile_for_engine(info: EngineInfo) -> str:
+def profile_for_engine(info: EngineInfo, *, tensor_parallel: bool = False) -> str:
     """The rounding profile a built engine implies, from its configuration; never a guess.
 
     - compiled as one graph (vLLM-CPU's default, `DYNAMO_TRACE_ONCE`): `vllm-compiled`;
@@ -473,6 +473,9 @@ def profile_for_engine(info: EngineInfo) -> str:
       `vllm-compiled-piecewise`;
     - `enforce_eager=True` (or compilation off): `vllm-eager` on CUDA; on vLLM-CPU `vllm-eager-cpu`
       with its AVX512-BF16 kernel library, `vllm-eager-cpu-avx2` with its AVX2 one (`vllm_cpu_kernel_library`).
+
+    A TP > 1 engine passes only with `tensor_parallel=True` (the caller computes its row-parallel linears with
+    `trl_roundalign.tp.install_tp_linears`) and only where measured (`tp.tp_refusal`).
 
     Raises:
         UnknownEngineConfiguration: a configuration not measured (custom ops for the regions inside a
@@ -489,11 +492,12 @@ def profile_for_engine(info: EngineInfo) -> str:
 
     if _minor(info.vllm_version) not in KNOWN_VLLM:
         refuse(f"vLLM version is {info.vllm_version} (measured: {', '.join(KNOWN_VLLM)})")
-    if info.tensor_parallel_size != 1:
-        refuse(
-            f"tensor parallel size is {info.tensor_parallel_size}: its row-parallel linears sum {info.tensor_parallel_size} "
-            "shards' partial products, an order the trainer's unsharded matmul does not compute (measured: 1)"
-        )
+    if info.tensor_parallel_size != 1:  # row-parallel linears sum the shards' partial products (trl_roundalign.tp)
+        from .tp import tp_refusal
+
+        lib = vllm_cpu_kernel_library() if info.platform == "cpu" else None
+        if why := tp_refusal(info, aligned=tensor_parallel, library=lib):
+            refuse(f"tensor parallel size is {info.tensor_parallel_size}: {why}")
     if not info.compiled:
         if info.platform != "cpu":
             return "vllm-eager"
@@ -691,12 +695,3 @@ def inductor_reduction_lanes(llm_or_cache_dir, *, num_layers: int | None = None)
         )
     mid = list(next(iter(middle_lanes))) if middle_lanes else []
     return _module_lanes(first[0], vector_floats) + mid * (num_layers - 1) + _module_lanes(last[0], vector_floats)
-
-
-def file_digest(path: str | os.PathLike) -> str:
-    """Short sha1 of a file (used in run records)."""
-    h = hashlib.sha1()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()[:12]
