@@ -3,6 +3,7 @@ neighbour of each is accepted; sampling options that bias the distribution are w
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -52,9 +53,14 @@ def test_the_plain_recipe_is_accepted_without_a_word(tmp_path, qwen3):
         ({"use_vllm": False}, "set use_vllm=True"),
         ({"vllm_tensor_parallel_size": 2}, "Set vllm_tensor_parallel_size=1"),
         ({"vllm_engine_kwargs": {"model_impl": "transformers"}}, "Set vllm_model_impl='vllm'"),
+        ({"generation_kwargs": {"prompt_logprobs": 1}}, "Remove 'prompt_logprobs' from generation_kwargs"),
+        ({"generation_kwargs": {"logprobs_mode": "raw_logprobs"}}, "Remove 'logprobs_mode' from generation_kwargs"),
+        ({"torch_compile": True}, "Set torch_compile=False"),
+        ({"neftune_noise_alpha": 5.0}, "Set neftune_noise_alpha=None"),
+        ({"model_init_kwargs": {"dtype": "bfloat16", "quantization_config": {"load_in_8bit": True}}}, "quantized policy"),
     ],
     ids=["temperature", "logprobs", "n", "sleep-on-cpu", "model-impl", "fp16", "liger", "hub-kernels", "no-vllm", "tp",
-         "model-impl-kwargs"],
+         "model-impl-kwargs", "prompt-logprobs", "logprobs-mode", "torch-compile", "neftune", "quantized"],
 )
 def test_options_that_break_alignment_are_refused_in_one_line(tmp_path, qwen3, options, says):
     _refused(qwen3, _args(tmp_path, **options), says)
@@ -78,6 +84,25 @@ def test_tied_embeddings_with_an_fp32_head_name_the_fix(tmp_path):
     tied = str(tiny_model("qwen3", tie_word_embeddings=True))
     _refused(tied, _args(tmp_path, cast_lm_head_to_fp32=True), "Set cast_lm_head_to_fp32=False")
     check_options(tied, _args(tmp_path))  # the same model without the cast
+
+
+def test_dropout_in_the_training_forward_is_refused_unless_disabled(tmp_path):
+    dropping = str(tiny_model("qwen3", attention_dropout=0.1))
+    _refused(dropping, _args(tmp_path, disable_dropout=False), "Set disable_dropout=True")
+    check_options(dropping, _args(tmp_path, disable_dropout=True))
+
+
+def test_remote_modelling_code_is_refused(tmp_path):
+    import json
+    import shutil
+
+    remote = tmp_path / "remote"
+    shutil.copytree(tiny_model("qwen3"), remote)
+    cfg = json.loads((remote / "config.json").read_text())
+    cfg["auto_map"] = {"AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"}
+    (remote / "config.json").write_text(json.dumps(cfg))
+    _refused(str(remote), _args(tmp_path), "brings its own modelling code")
+    check_options(str(remote), _args(tmp_path, roundalign_regions=[]))
 
 
 def test_a_vision_language_checkpoint_is_refused_as_such(tmp_path):
@@ -105,6 +130,17 @@ def test_sampling_biases_name_every_key():
     ]  # fmt: skip
     with pytest.warns(UserWarning, match=r"presence_penalty.*do not read mismatch/\*"):
         check_options(str(tiny_model("qwen3")), _args("/tmp/unused", generation_kwargs={"presence_penalty": 0.5}))
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [({"top_k": 20}, "top_k=20"), ({"min_p": 0.05}, "min_p=0.05"), ({"repetition_penalty": 1.1}, "repetition_penalty=1.1"),
+     ({"top_p": 0.9}, "top_p=0.9"), ({"vllm_structured_outputs_regex": r"\d+"}, "vllm_structured_outputs_regex")],
+    ids=["top_k", "min_p", "repetition_penalty", "top_p", "structured-outputs"],
+)
+def test_each_sampling_bias_is_warned_with_its_name(tmp_path, qwen3, options, named):
+    with pytest.warns(UserWarning, match=re.escape(named)):
+        check_options(qwen3, _args(tmp_path, **options))
 
 
 def test_a_policy_object_in_fp32_is_refused(tmp_path):

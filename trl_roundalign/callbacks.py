@@ -55,6 +55,20 @@ __all__ = ["MismatchCallback", "read_mismatch_log", "read_mismatch_runs"]
 _ANCHOR = "mismatch/tokens"
 
 
+def clip_band(trainer) -> tuple[float, float]:
+    """`(eps_low, eps_high)` of the band `1 - eps_low <= r <= 1 + eps_high` the trainer's loss clips the ratio at.
+
+    PPO-style losses (grpo, dapo, bnpo, dr_grpo and the soft-gated sapo/vespo, reported against TRL's epsilons):
+    TRL's `epsilon_low`/`epsilon_high`. CISPO clips only above, at the absolute value `epsilon_high` (TRL's
+    `clamp(r, max=epsilon_high)`): the band is `0 < r <= epsilon_high`.
+    """
+    eps_low = getattr(trainer, "epsilon_low", 0.2)
+    eps_high = getattr(trainer, "epsilon_high", 0.2)
+    if getattr(trainer, "loss_type", None) == "cispo":
+        return 1.0, eps_high - 1.0
+    return eps_low, eps_high
+
+
 class MismatchCallback(TrainerCallback):
     """Log `mismatch/*` metrics (see `trl_roundalign.metrics.METRIC_DOCS`) over each logging window.
 
@@ -113,8 +127,7 @@ class MismatchCallback(TrainerCallback):
 
     def record(self, train_logps: torch.Tensor, sampling_logps: torch.Tensor, mask: torch.Tensor) -> None:
         """Add one micro-batch's sufficient statistics (called by the trainer)."""
-        eps_low = getattr(self.trainer, "epsilon_low", 0.2)
-        eps_high = getattr(self.trainer, "epsilon_high", 0.2)
+        eps_low, eps_high = clip_band(self.trainer)
         self._pending.append(
             metrics.mismatch_sums(
                 train_logps.detach().float(),

@@ -84,7 +84,7 @@ METRIC_DOCS: dict[str, str] = {
     "mismatch/abs_logp_diff/max": "Largest |Δ| over valid tokens.",
     "mismatch/ratio/min": "Smallest per-token ratio r = exp(Δ) = π_train/π_vLLM.",
     "mismatch/ratio/max": "Largest per-token ratio r = exp(Δ) = π_train/π_vLLM.",
-    "mismatch/frac_outside_clip": "Fraction of valid tokens with r < 1 - ε_low or r > 1 + ε_high (the PPO clip band).",
+    "mismatch/frac_outside_clip": "Fraction of valid tokens with r < 1 - ε_low or r > 1 + ε_high: the loss's clip band (PPO's; CISPO's r > ε_high, `callbacks.clip_band`).",
     "mismatch/frac_bitwise_equal": "Fraction of valid tokens whose training and vLLM log-probs are equal as fp32 "
     "numbers.",
     "mismatch/seq_log_ratio/mean": "Mean over sequences of the sequence log-ratio Σ_t Δ_t "

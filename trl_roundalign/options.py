@@ -2,7 +2,7 @@
 model, generation or the weight sync is aligned, or refused in one line that says what to change.
 
 The table of every `GRPOConfig` field and what the package does with it is docs/options.md
-(`tests/test_options.py` fails when TRL adds a field the table does not name). This module holds the checks; the
+(`tests/test_option_table.py` fails when TRL adds a field the table does not name). This module holds the checks; the
 trainer calls `check_options` first thing.
 """
 
@@ -151,6 +151,8 @@ def check_options(model, args) -> None:
             f"describes for {model_type} (measured on vLLM's own model code). Set vllm_model_impl='vllm', or "
             "roundalign_regions=[] to train without alignment."
         )
+    if args.roundalign_regions:
+        _check_training_forward(config, args)
     tp = int(getattr(args, "vllm_tensor_parallel_size", 1) or 1)
     if args.use_vllm and args.roundalign_regions and args.vllm_mode == "colocate" and tp != 1:
         raise ValueError(
@@ -186,4 +188,45 @@ def check_options(model, args) -> None:
             "biased. Keep them for generation quality, but do not read mismatch/* as rounding mismatch.",
             UserWarning,
             stacklevel=4,
+        )
+
+
+_DROPOUT_FIELDS = ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop",
+                   "hidden_dropout_prob", "attention_probs_dropout_prob")  # fmt: skip
+
+
+def _check_training_forward(config, args) -> None:
+    """Options under which the policy's training forward computes something other than the forward vLLM runs."""
+    if args.torch_compile:
+        raise ValueError(
+            "torch_compile=True compiles the policy with Inductor's own fusions, which moves where its forward rounds "
+            "away from the aligned regions. Set torch_compile=False (the regions reproduce the engine's compiled code)."
+        )
+    if args.neftune_noise_alpha:
+        raise ValueError(
+            f"neftune_noise_alpha={args.neftune_noise_alpha} adds noise to the policy's input embeddings in training, "
+            "which vLLM does not: the log-probs would differ by the noise. Set neftune_noise_alpha=None."
+        )
+    if getattr(args, "tf32", None):
+        raise ValueError(
+            "tf32=True lets CUDA compute fp32 matrix products (the fp32 head, the attention's fp32 paths) in TF32, which "
+            "the engine does not. Set tf32=False (or leave it unset)."
+        )
+    init = args.model_init_kwargs or {}
+    if init.get("quantization_config") is not None or getattr(config, "quantization_config", None) is not None:
+        raise ValueError(
+            "A quantized policy (quantization_config) computes its linears in another precision than the engine's "
+            "bf16 weights; no profile describes it. Train the bf16 checkpoint (with LoRA if memory is short)."
+        )
+    if config is not None and getattr(config, "auto_map", None):
+        raise ValueError(
+            f"This checkpoint brings its own modelling code (auto_map: {sorted(config.auto_map)}); the package aligns "
+            "transformers' own modules and vLLM's. Use the model's transformers-native class, or "
+            "roundalign_regions=[] to train without alignment."
+        )
+    dropout = {f: getattr(config, f) for f in _DROPOUT_FIELDS if isinstance(getattr(config, f, None), float)}
+    if not args.disable_dropout and any(p > 0 for p in dropout.values()):
+        raise ValueError(
+            f"The model has dropout ({', '.join(f'{k}={v}' for k, v in dropout.items() if v > 0)}), which its training "
+            "forward applies and vLLM's does not. Set disable_dropout=True."
         )
