@@ -25,29 +25,13 @@ NODE_ID = re.compile(r"(tests/[\w/]+\.py)::(\w+)(?:\[([^\]\s`]+)\])?")
 # Rows (by their first field) with a value or path that changes the numerics and that no test exercises yet. Each
 # entry says what is missing; the row on the page says the same in words.
 AWAITING_A_TEST = {
-    "roundalign_positions_from_mask": "False in a training run",
     "vllm_enable_sleep_mode": "the GPU path (the engine woken for the start-up check)",
-    "temperature": "training at a temperature other than 1.0",
-    "top_k": "the warning for top_k > 0",
-    "min_p": "the warning for min_p > 0",
-    "repetition_penalty": "the warning for repetition_penalty != 1.0",
-    "generation_kwargs": "the prompt_logprobs and logprobs_mode refusals",
     "max_tool_calling_iterations": "training with tools (tool_mask)",
-    "model_init_kwargs": "keys other than dtype/use_kernels (attn_implementation, quantization_config, ...)",
-    "trust_remote_code": "remote code registered under a known model_type",
-    "disable_dropout": "a model with non-zero dropout and disable_dropout=False",
-    "cast_lm_head_to_fp32": "two aligned steps with the fp32 head; the server-mode warning",
-    "pad_to_multiple_of": "training with it set",
-    "sync_ref_model": "training with the reference model synced",
-    "loss_type": "loss_type='luspo'",
+    "model_init_kwargs": "keys other than dtype/use_kernels/quantization_config (attn_implementation, ...)",
+    "cast_lm_head_to_fp32": "the server-mode warning",
     "fp16": "training a float16 policy with a float16 engine",
-    "optim": "optimizers other than TRL's default adamw_torch_fused",
     "fsdp": "FSDP set through TrainingArguments.fsdp/fsdp_config",
     "deepspeed": "a DeepSpeed config through TrainingArguments.deepspeed; ZeRO-2",
-    "torch_compile": "a refusal, a warning or an aligned run",
-    "neftune_noise_alpha": "a refusal, a warning or an aligned run",
-    "full_determinism": "a refusal, a warning or an aligned run",
-    "tf32": "a refusal, a warning or an aligned run (GPU)",
 }
 
 

@@ -148,3 +148,10 @@ def test_a_policy_object_in_fp32_is_refused(tmp_path):
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model("qwen3"), dtype=torch.float32)
     _refused(model, _args(tmp_path), "The policy was passed in torch.float32")
+
+
+def test_tf32_is_refused(tmp_path, qwen3):
+    """transformers itself refuses tf32=True without an Ampere GPU; set after construction, the package's refusal."""
+    args = _args(tmp_path)
+    args.tf32 = True
+    _refused(qwen3, args, "Set tf32=False")
