@@ -217,7 +217,8 @@ def apply_roundalign(
         raise ValueError(
             f"The model's weights are {dtype}; rounding alignment is defined for bf16 (or fp16) weights, as the "
             "engine serves them. Load it with `from_pretrained(..., dtype=torch.bfloat16)` or call "
-            "`model.to(torch.bfloat16)` (keep fp32 master weights in the optimizer, see RoundAlignGRPOTrainer)."
+            "`model.to(torch.bfloat16)` (keep fp32 master weights in the optimizer, see RoundAlignGRPOTrainer); "
+            "under DeepSpeed ZeRO-3 without mixed precision zero.Init loads it in fp32: train with bf16=True."
         )
     if positions_from_mask is None:
         positions_from_mask = bool(regions)

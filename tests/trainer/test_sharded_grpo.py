@@ -177,3 +177,51 @@ def test_zero3_grpo_two_processes_sync_metrics_resume(tmp_path):
     _check_metrics(train)
     resumed = _launch(tmp_path, "zero3.yaml", "resume", 29594, **ds)
     _check_resume(train, resumed)
+
+
+_REFUSE = r"""
+import sys
+from trl_roundalign import RoundAlignGRPOTrainer
+from trl_roundalign.data import arithmetic_dataset
+from trl_roundalign.local_models import tiny_model
+sys.path.insert(0, sys.argv[2])
+from trainer_helpers import make_config, varied_reward
+args = make_config(sys.argv[1], use_vllm=False, roundalign_regions=[], log_mismatch=False, bf16=False, max_steps=1)
+try:
+    trainer = RoundAlignGRPOTrainer(model=str(tiny_model("qwen3")), reward_funcs=varied_reward, args=args,
+                                    train_dataset=arithmetic_dataset("train[:8]"))
+    trainer.train()
+except ValueError as e:
+    print("REFUSED " + str(e), flush=True)
+    sys.exit(3)
+print("TRAINED", trainer.accelerator.mixed_precision, flush=True)
+"""
+
+
+@pytest.mark.parametrize("config", ["fsdp2.yaml", "zero3.yaml"])
+def test_bf16_parameters_under_fsdp2_or_zero3_without_mixed_precision_are_refused(tmp_path, config):
+    import socket
+
+    """Without mixed precision accelerate does not upcast (FSDP2) and DeepSpeed keeps no fp32 copy: the optimizer
+    would step the bf16 parameters and updates below half an ulp would round away. Through accelerate's real
+    FSDP2/DeepSpeed preparation (the shim), two processes, the trainer refuses in one line naming what to set."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    script = tmp_path / "refuse.py"
+    script.write_text(_REFUSE)
+    path = os.pathsep.join(p for p in (str(SHIM), os.environ.get("PYTHONPATH", "")) if p)
+    extra = {"DS_ACCELERATOR": "cpu"} if config == "zero3.yaml" else {}
+    env = subprocess_env(ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", PYTHONPATH=path, **extra)
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "recipes" / "accelerate_configs" / config),
+        "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", str(port), str(script),
+        str(tmp_path / "out"), str(Path(__file__).parent),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    refused = [ln for ln in proc.stdout.splitlines() if ln.startswith("REFUSED ")]
+    assert proc.returncode != 0 and len(refused) == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # FSDP2: the bf16 shards reach the optimizer. ZeRO-3: zero.Init already loaded the policy in fp32 (DeepSpeed
+    # without bf16), which the patching refuses first; both lines say to train with bf16=True.
+    says = "round away. Train with mixed precision: bf16=True" if config == "fsdp2.yaml" else "train with bf16=True"
+    assert all(says in ln for ln in refused), refused
