@@ -155,3 +155,21 @@ def test_tf32_is_refused(tmp_path, qwen3):
     args = _args(tmp_path)
     args.tf32 = True
     _refused(qwen3, args, "Set tf32=False")
+
+
+def test_an_fp32_head_in_server_mode_says_how_to_start_the_server(tmp_path, qwen3):
+    """The trainer casts only its own head in server mode: it says which flag gives the server an fp32 head too (the
+    run then stops here because no server listens on the port: the warning comes first)."""
+    import socket
+
+    from trl_roundalign import RoundAlignGRPOTrainer
+    from trl_roundalign.data import arithmetic_dataset
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = _args(tmp_path, vllm_mode="server", vllm_server_base_url=f"http://127.0.0.1:{port}", vllm_server_timeout=1,
+                 cast_lm_head_to_fp32=True, roundalign_profile="vllm-compiled")  # fmt: skip
+    with pytest.warns(UserWarning, match=r"--hf-overrides '\{\"head_dtype\": \"float32\"\}'"), pytest.raises(Exception):
+        RoundAlignGRPOTrainer(model=qwen3, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
+                              train_dataset=arithmetic_dataset("train[:8]"))  # fmt: skip
