@@ -36,23 +36,10 @@ from ._compat import (
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "EngineInfo",
-    "build_llm",
-    "close_colocated_engine",
-    "close_llm",
-    "engine_cache_root",
-    "engine_info",
-    "fresh_rope_cache",
-    "inductor_reduction_lanes",
-    "EAGER_CPU_PROFILES",
-    "EXACT_REFINEMENTS",
-    "UnknownEngineConfiguration",
-    "cpu_vector_isa",
-    "exact_profile_for",
-    "piecewise_compilation_config",
-    "profile_for_engine",
-    "reduction_lanes_in",
-    "scoped_cache_root",
+    "EngineInfo", "build_llm", "close_colocated_engine", "close_llm", "engine_cache_root", "engine_info",
+    "fresh_rope_cache", "inductor_reduction_lanes", "EAGER_CPU_PROFILES", "EXACT_REFINEMENTS", "KNOWN_TORCH",
+    "KNOWN_VLLM", "MEASURE_UNKNOWN_VLLM", "UnknownEngineConfiguration", "cpu_vector_isa", "exact_profile_for",
+    "known_vllm", "piecewise_compilation_config", "profile_for_engine", "reduction_lanes_in", "scoped_cache_root",
     "set_offline_defaults",
 ]
 
@@ -455,6 +442,14 @@ _REGION_CUSTOM_OPS = ("rms_norm", "silu_and_mul", "rotary_embedding")
 # version: anything else is refused by `profile_for_engine` rather than guessed.
 KNOWN_VLLM = ("0.31",)
 KNOWN_TORCH = ("2.13", "2.11")
+# Measurement only (docs/stack.md): `ROUNDALIGN_MEASURE_UNKNOWN_VLLM=0.32` admits that unmeasured vLLM minor version for
+# one run, so that the evidence suite can run against it before it is known. Unset (the default), it is refused.
+MEASURE_UNKNOWN_VLLM = "ROUNDALIGN_MEASURE_UNKNOWN_VLLM"
+
+
+def known_vllm() -> tuple[str, ...]:
+    """`KNOWN_VLLM`, plus the versions `ROUNDALIGN_MEASURE_UNKNOWN_VLLM` names for a measurement run."""
+    return KNOWN_VLLM + tuple(v.strip() for v in os.environ.get(MEASURE_UNKNOWN_VLLM, "").split(",") if v.strip())
 
 
 def _minor(version: str) -> str:
@@ -490,8 +485,11 @@ def profile_for_engine(info: EngineInfo, *, tensor_parallel: bool = False) -> st
             "same engine settings and pass the profile it reports as roundalign_profile (or --profile)."
         )
 
-    if _minor(info.vllm_version) not in KNOWN_VLLM:
+    if _minor(info.vllm_version) not in known_vllm():
         refuse(f"vLLM version is {info.vllm_version} (measured: {', '.join(KNOWN_VLLM)})")
+    if _minor(info.vllm_version) not in KNOWN_VLLM:
+        logger.warning("vLLM %s admitted by %s for a measurement run only: it is not measured.", info.vllm_version,
+                       MEASURE_UNKNOWN_VLLM)
     if info.tensor_parallel_size != 1:  # row-parallel linears sum the shards' partial products (trl_roundalign.tp)
         from .tp import tp_refusal
 
