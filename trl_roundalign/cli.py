@@ -1,4 +1,4 @@
-"""`trl-roundalign analyze | probe | env`.
+"""`trl-roundalign analyze | probe | card | card-diff | env`.
 
 Bad input ends with one line on stderr (`trl-roundalign: error: ...`) and exit code 2, never a
 traceback; `--debug` shows the traceback. vLLM's own logging (its start-up INFO lines and warnings such as
@@ -96,6 +96,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", dest="json_out", default=None, help="Also write the report as JSON here.")
     _engine_args(p)
 
+    c = sub.add_parser(
+        "card",
+        help="The numerics card of the installed stack: what its engines compute, as JSON and Markdown.",
+        description="Build vLLM-CPU's one-graph and piecewise engines on a tiny model and record the stack's versions, "
+        "the CPU kind, each engine's configuration, the profile derived from it, its reduction lanes and attention "
+        "path, each region's per-op verdict, every condition's k3 and bit-identical fraction against the engine "
+        "(exact mode included), and the GEMM's batch invariance. Compare two cards with card-diff.",
+    )
+    c.add_argument("model", nargs="?", default="tiny-qwen3", help="Model the engines run (default: the tiny Qwen3).")
+    c.add_argument("--out", default="card.json", help="JSON file to write (the Markdown goes next to it, .md).")
+    c.add_argument("--engines", default="one-graph,piecewise", help="Engine kinds, comma separated: one-graph, piecewise.")
+    c.add_argument("--gemm", choices=("quick", "full", "off"), default="quick", help="GEMM batch-invariance measurement.")
+    c.add_argument("--gemm-models", default="tiny-qwen3,smollm2-135m", help="Whose linear shapes the GEMM is measured at.")
+    c.add_argument("--no-regions", action="store_true", help="Skip the per-region probe of each engine.")
+    c.add_argument("--verbose", action="store_true", help="Show vLLM's logging.")
+
+    d = sub.add_parser(
+        "card-diff",
+        help="What changed between two numerics cards: one line per difference; exit 0 if none, 1 if any.",
+    )
+    d.add_argument("a", help="The first card (JSON).")
+    d.add_argument("b", help="The second card (JSON).")
+
     e = sub.add_parser("env", help="Versions, device, detected engine mode and the profile 'auto' would choose.")
     e.add_argument("--engine", action="store_true", help="Build a tiny engine to read its mode (slower).")
     e.add_argument(
@@ -160,10 +183,33 @@ def cmd_env(args) -> int:
     return 0
 
 
-# SmolLM2-135M's linear shapes (q/k/v and gate/up fused as the engine computes them): where Intel AMX's GEMM was
-# first seen batch-variant (docs/results/amx/batch_invariance.md).
-_REFERENCE_SHAPES = {"qkv_proj": (576, 576, 192, 192), "o_proj": (576, 576), "lm_head": (576, 49152),
-                     "gate_up_proj": (576, 1536, 1536), "down_proj": (1536, 576)}  # gemm.linear_shapes' order
+def cmd_card(args) -> int:
+    from pathlib import Path
+
+    from .analysis.card import card_markdown, make_card
+
+    engines = tuple(e.strip() for e in args.engines.split(",") if e.strip())
+    gemm_models = tuple(m.strip() for m in args.gemm_models.split(",") if m.strip())
+    card = make_card(args.model, engines=engines, gemm=args.gemm, gemm_models=gemm_models, regions=not args.no_regions)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(card, indent=2) + "\n")
+    md = card_markdown(card)
+    out.with_suffix(".md").write_text(md + "\n")
+    print(md)
+    print(f"card: {out} and {out.with_suffix('.md')}")
+    return 0
+
+
+def cmd_card_diff(args) -> int:
+    from .analysis.card import diff_cards, load_card
+
+    lines = diff_cards(load_card(args.a), load_card(args.b))
+    for line in lines:
+        print(line)
+    if not lines:
+        print("identical (apart from meta)", file=sys.stderr)
+    return 1 if lines else 0
 
 
 def _gemm_rows(model: str | None) -> dict[str, str]:
@@ -178,7 +224,7 @@ def _gemm_rows(model: str | None) -> dict[str, str]:
         except (OSError, ValueError) as e:
             raise UsageError(f"--gemm-model {model}: cannot read its config ({one_line(e)}).") from None
     else:
-        shapes, where = _REFERENCE_SHAPES, "SmolLM2-135M's shapes"
+        shapes, where = gemm.SMOLLM2_SHAPES, "SmolLM2-135M's shapes"
     plain = gemm.measure_batch_invariance(shapes, 1024)
     rows = {"cpu kind": f"{gemm.cpu_kind()} ({gemm._cpu_flags()})", f"GEMM at {where}": plain.summary()}
     if not plain.invariant:
@@ -238,6 +284,10 @@ def main(argv: list[str] | None = None) -> int:
             from .analysis.analyze import run_analyze_cli
 
             return run_analyze_cli(args)
+        if args.command == "card":
+            return cmd_card(args)
+        if args.command == "card-diff":
+            return cmd_card_diff(args)
         if args.command == "probe":
             from .analysis.probe import run_probe_cli
 

@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "DEFAULT_BLOCK_ROWS",
+    "SMOLLM2_SHAPES",
     "ENV_BLOCK_ROWS",
     "BatchInvarianceReport",
     "block_rows",
@@ -239,6 +240,13 @@ def linear_shapes(config) -> dict[str, tuple[int, ...]]:
         shapes["gate_up_proj"] = (h, inter, inter)
         shapes["down_proj"] = (inter, h)
     return shapes
+
+
+# SmolLM2-135M's linear shapes (q/k/v and gate/up fused as the engine computes them), in `linear_shapes`' order: where
+# Intel AMX's GEMM was first seen batch-variant (docs/results/amx/batch_invariance.md). `env` and the numerics card
+# measure at them without the checkpoint.
+SMOLLM2_SHAPES = {"qkv_proj": (576, 576, 192, 192), "o_proj": (576, 576), "lm_head": (576, 49152),
+                  "gate_up_proj": (576, 1536, 1536), "down_proj": (1536, 576)}
 
 
 def row_counts(max_rows: int) -> list[int]:
