@@ -52,6 +52,7 @@ from .optim import MasterWeightsOptimizer, aligned_fsdp2_policy, distributed_mas
 from .options import check_options
 from .patching import apply_roundalign, get_patch_report, restore_fp32_rope_frequencies
 from .profiles import is_exact
+from .tp import install_tp_linears
 
 logger = logging.getLogger(__name__)
 
@@ -199,6 +200,7 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
             # vLLM's CUDA default, asked for explicitly; on vLLM-CPU it needs the compat shim and compile_sizes=[].
             engine_kwargs["compilation_config"] = piecewise_compilation_config(engine_kwargs["compilation_config"])
         self._roundalign_gemm_rows, self._roundalign_gemm_report = 0, None
+        self._roundalign_tp = 1  # a TP > 1 server's row-parallel sums, read from it (verify_server.server_tp)
         if colocate:
             apply_vllm_cpu_weight_sync_fix()
             if is_vllm_cpu():
@@ -387,6 +389,8 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
             report = report or report_t
             if self._roundalign_gemm_rows:
                 install_row_blocked_linears(target, self._roundalign_gemm_rows)
+            if self._roundalign_tp > 1:  # after the row blocks, whose forward it replaces on o_proj/down_proj
+                install_tp_linears(target, self._roundalign_tp, self._roundalign_gemm_rows)
         logger.info("RoundAlignGRPOTrainer: %s", report)
         if self._roundalign_gemm_rows:
             logger.info("linear layers: row blocks of %d rows on both sides", self._roundalign_gemm_rows)
@@ -500,6 +504,7 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
             "block_rows": self._roundalign_gemm_rows,
             "measured": self._roundalign_gemm_report.as_dict() if self._roundalign_gemm_report is not None else None,
         }
+        info["tensor_parallel_size"] = self._roundalign_tp  # >1: the row-parallel linears sum the engine's shards
         if self.roundalign_verification is not None:
             info["verification"] = self.roundalign_verification.as_dict()
         report = get_patch_report(self.model) if self.args.roundalign_regions or self.args.roundalign_positions_from_mask else None

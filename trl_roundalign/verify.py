@@ -270,8 +270,8 @@ def _configured_profile(info) -> str | None:
 
     if info is None or (info.platform == "cpu" and not info.compiled):
         return None
-    try:
-        return get_profile(profile_for_engine(info)).name
+    try:  # a TP > 1 engine reaches this only where the trainer computes the TP form (server mode, `verify_server`)
+        return get_profile(profile_for_engine(info, tensor_parallel=True)).name
     except (UnknownEngineConfiguration, KeyError, ValueError):
         return None
 

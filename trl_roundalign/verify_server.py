@@ -9,6 +9,7 @@ import logging
 
 from .gemm import install_row_blocked_linears
 from .profiles import is_exact
+from .tp import install_tp_linears
 
 logger = logging.getLogger("trl_roundalign.trainer")  # the trainer's log, where users (and tests) read the check
 
@@ -75,9 +76,12 @@ def verify_server_profile(trainer, args):
     rows = (info.gemm_block_rows or 0) if info is not None else 0
     if rows != trainer._roundalign_gemm_rows:  # the server's linears compute in row blocks: ours do the same
         trainer._roundalign_gemm_rows = rows
-        for target in [trainer.model] + ([trainer.ref_model] if getattr(trainer, "ref_model", None) is not None else []):
+        for target in _targets(trainer):
             install_row_blocked_linears(target, rows)
         logger.info("the vLLM server's linears compute in row blocks of %d rows; the policy's do too", rows)
+    if server_tp(trainer, info, url) > 1:  # after the row blocks, whose forward it replaces on o_proj/down_proj
+        for target in _targets(trainer):
+            install_tp_linears(target, trainer._roundalign_tp, rows)
     if info is None:
         candidates, note = list(ALL_BASE_CANDIDATES), f" The server's platform is unknown: {about}."
         logger.warning(
@@ -136,6 +140,37 @@ def server_profile(trainer, args) -> str:
             f"enough ({about}). Pass the server's profile: 'vllm-compiled-piecewise' for `trl vllm-serve` on a GPU "
             "(vLLM's CUDA default), 'vllm-eager' with --enforce-eager; `trl-roundalign probe` measures other settings."
         )
-    profile = profile_for_engine(info)
+    profile = profile_for_engine(info, tensor_parallel=True)  # the trainer computes the TP form (`server_tp`)
+    server_tp(trainer, info, url)
     logger.info("roundalign_profile='auto': %s, from the vLLM server at %s (%s)", profile, url, about)
     return profile
+
+
+def _targets(trainer) -> list:
+    return [trainer.model] + ([trainer.ref_model] if getattr(trainer, "ref_model", None) is not None else [])
+
+
+def server_tp(trainer, info, url) -> int:
+    """The server's tensor-parallel size (`EngineInfo.tensor_parallel_size`, from /server_info), recorded as
+    `trainer._roundalign_tp`: above 1, `_install_patches` computes the policy's (and the reference model's)
+    row-parallel linears as the server's ranks sum them (`tp.install_tp_linears`). A TP layout the trainer does not
+    reproduce (`engine.profile_for_engine(info, tensor_parallel=True)`: only TP=2 on vLLM-CPU's one-graph engine with
+    its `_C` library is measured) stops the run with that function's one line, as does a model family whose
+    row-parallel layers are not measured."""
+    from .engine import profile_for_engine
+    from .tp import ROW_PARALLEL
+
+    tp = int(getattr(info, "tensor_parallel_size", 1) or 1) if info is not None else 1
+    if tp > 1:
+        profile_for_engine(info, tensor_parallel=True)  # UnknownEngineConfiguration, one line, where not measured
+        model_type = getattr(trainer.model.config, "model_type", None)
+        if model_type not in ROW_PARALLEL:
+            raise ValueError(
+                f"The vLLM server at {url} runs tensor_parallel_size={tp}: its row-parallel sums are measured for "
+                f"{', '.join(sorted(ROW_PARALLEL))}, not {model_type!r}. Serve it with --tensor-parallel-size 1."
+            )
+        if trainer._roundalign_tp != tp:
+            logger.info("the vLLM server at %s runs tensor_parallel_size=%d: o_proj/down_proj sum %d shards as it does",
+                        url, tp, tp)
+    trainer._roundalign_tp = tp
+    return tp

