@@ -110,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--gemm", choices=("quick", "full", "off"), default="quick", help="GEMM batch-invariance measurement.")
     c.add_argument("--gemm-models", default="tiny-qwen3,smollm2-135m", help="Whose linear shapes the GEMM is measured at.")
     c.add_argument("--no-regions", action="store_true", help="Skip the per-region probe of each engine.")
+    c.add_argument(
+        "--tokens-from", default=None, metavar="CARD",
+        help="Score another card's samples instead of sampling (two stacks compared over the same tokens).",
+    )
     c.add_argument("--verbose", action="store_true", help="Show vLLM's logging.")
 
     d = sub.add_parser(
@@ -190,7 +194,8 @@ def cmd_card(args) -> int:
 
     engines = tuple(e.strip() for e in args.engines.split(",") if e.strip())
     gemm_models = tuple(m.strip() for m in args.gemm_models.split(",") if m.strip())
-    card = make_card(args.model, engines=engines, gemm=args.gemm, gemm_models=gemm_models, regions=not args.no_regions)
+    card = make_card(args.model, engines=engines, gemm=args.gemm, gemm_models=gemm_models, regions=not args.no_regions,
+                     tokens_from=args.tokens_from)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(card, indent=2) + "\n")

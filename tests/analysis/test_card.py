@@ -57,9 +57,11 @@ def test_diff_of_synthetic_cards_reports_each_changed_field(tmp_path, capsys):
     b["engines"]["one-graph"]["reduction_lanes"] = [32, 32, 32, 32]
     b["engines"]["one-graph"]["exact_bitwise"] = False
     b["gemm"] = {"mode": "quick"}
+    b["engines"]["one-graph"]["engine_info"]["splitting_ops"] = ["vllm::x"]
     lines = diff_cards(a, b)
     assert lines == [
         "versions.vllm: 0.31.0 -> 0.32.0",
+        'engines.one-graph.engine_info.splitting_ops: added ["vllm::x"]',
         "engines.one-graph.reduction_lanes: [32,32,16,32] -> [32,32,32,32]",
         "engines.one-graph.exact_bitwise: true -> false",
         "gemm.mode: (absent) -> quick",
@@ -122,6 +124,8 @@ def test_card_of_the_installed_stack_is_written_and_diffed(tmp_path, capsys):
     assert eng["attention"]["isa"] in ("amx", "vec", "vec16")
     assert set(eng["conditions"]) == {"bf16_default", "rope_only", "swiglu", "rmsnorm", "three_region", "exact"}
     assert eng["exact_bitwise"] and eng["conditions"]["exact"]["k3"] == 0.0
+    assert eng["samples"]["completion_tokens"] == eng["conditions"]["exact"]["tokens"] > 0
+    assert set(eng["floors"]) == {"sampler_vs_prefill", "single_vs_batched_prefill"}
     assert card["gemm"]["tiny-qwen3"]["block_rows"] is not None
     capsys.readouterr()
     assert main(["card-diff", str(out), str(out)]) == 0

@@ -31,11 +31,12 @@ import logging
 import os
 import platform
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ENGINE_KINDS", "SCHEMA", "card_markdown", "diff_cards", "load_card", "make_card"]
+__all__ = ["ENGINE_KINDS", "NOT_COMPARED", "SCHEMA", "card_markdown", "diff_cards", "load_card", "make_card"]
 
 SCHEMA = "trl-roundalign-card/1"
 # The engines a card covers: build_llm options, and the profile the kind had on the measured stack (used to measure
@@ -48,6 +49,9 @@ ENGINE_KINDS = {
 # on the AMX machine (docs/results/amx/batch_invariance.md); `gemm="full"` tries every `gemm.row_counts(1024)` count.
 GEMM_QUICK_ROWS = (1, 2, 3, 4, 8, 16, 31, 32, 33, 48, 64, 100, 128, 200, 256, 350, 512, 700, 1024)
 GEMM_MAX_ROWS = 1024
+# Sections `diff_cards` does not compare: when, where and how long (`meta`), and the scored token ids (`tokens`; their
+# digest is compared, in each engine's `samples`).
+NOT_COMPARED = ("meta", "tokens")
 _PATH_FIELDS = ("cache_dir", "inductor_dir")  # where this run's files went: not a property of the stack
 
 
@@ -130,9 +134,24 @@ def _regions(model_path, llm, rows: int, seed: int) -> dict:
     return out
 
 
+def _compare_fixed(model_path, llm, conditions, info, lanes, block: int, fixed: list[dict]):
+    """`compare_with_engine` over given sequences (another card's samples) instead of the engine's own."""
+    from .compare import EngineRun, compare_engine_run
+    from .scoring import Sample, vllm_prefill_logprobs
+
+    samples = [Sample(**d) for d in fixed]
+    seqs = [s.token_ids for s in samples]
+    single = vllm_prefill_logprobs(llm, seqs, one_at_a_time=True)
+    run = EngineRun(samples, vllm_prefill_logprobs(llm, seqs), single, info, lanes, None, block)
+    comp = compare_engine_run(model_path, run, conditions)
+    comp.floors.pop("sampler_vs_prefill", None)  # the other stack's sampler against this engine: not a floor
+    return comp
+
+
 def engine_section(model_path, kind: str, *, regions: bool = True, num_prompts: int = 2, samples_per_prompt: int = 2,
-                   max_new_tokens: int = 32, rows: int = 64, seed: int = 0) -> dict:
-    """Build one engine of `kind` (`ENGINE_KINDS`) for `model_path` and record what it computes."""
+                   max_new_tokens: int = 32, rows: int = 64, seed: int = 0, fixed: list[dict] | None = None) -> dict:
+    """Build one engine of `kind` (`ENGINE_KINDS`) for `model_path` and record what it computes (over `fixed`
+    sequences, another card's samples, when given; else over what the engine samples)."""
     from ..engine import (
         UnknownEngineConfiguration,
         build_llm,
@@ -169,10 +188,25 @@ def engine_section(model_path, kind: str, *, regions: bool = True, num_prompts: 
         if regions:
             out["regions"] = _regions(model_path, llm, rows, seed)
         conditions = build_conditions("regions", profile, exact=True)
-        comp = compare_with_engine(
-            model_path, llm, conditions, num_prompts=num_prompts, samples_per_prompt=samples_per_prompt,
-            max_new_tokens=max_new_tokens, seed=seed, floors=False,
-        )
+        if fixed is not None:
+            lanes = out["reduction_lanes"] if isinstance(out["reduction_lanes"], list) else None
+            comp = _compare_fixed(model_path, llm, conditions, info, lanes, block, fixed)
+        else:
+            comp = compare_with_engine(
+                model_path, llm, conditions, num_prompts=num_prompts, samples_per_prompt=samples_per_prompt,
+                max_new_tokens=max_new_tokens, seed=seed, floors=True,
+            )
+        # What the engine sampled: a card whose k3 differs from another's over different tokens compares samples, not
+        # numerics (the exact mode's verdict is the numerics' one).
+        out["samples"] = {
+            "source": "given" if fixed is not None else "sampled", "sequences": len(comp.samples), "completion_tokens": sum(len(s.completion_ids) for s in comp.samples),
+            "token_ids_sha1": _digest([s.token_ids for s in comp.samples]),
+            "sampler_logprobs_sha1": _digest([s.sampler_logprobs for s in comp.samples]),
+        }
+        out["floors"] = {
+            name: {"k3": float(f["mismatch/kl_k3"]), "bit_identical": float(f["mismatch/frac_bitwise_equal"])}
+            for name, f in comp.floors.items()
+        }
         conds = {}
         for c in conditions:
             s = comp.stats[c.name]["vs_prefill"]
@@ -183,15 +217,23 @@ def engine_section(model_path, kind: str, *, regions: bool = True, num_prompts: 
             }
         out["conditions"] = conds
         out["exact_bitwise"] = conds["exact"]["bitwise"]
+        out["_tokens"] = [asdict(x) for x in comp.samples]
         out["_seconds"] = {"build": round(build_s, 1), "total": round(time.perf_counter() - t0, 1)}
     finally:
         close_llm(llm)
     return out
 
 
+def _digest(rows) -> str:
+    import hashlib
+
+    return hashlib.sha1(json.dumps(rows, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
 def make_card(model: str = "tiny-qwen3", *, engines=tuple(ENGINE_KINDS), gemm: str = "quick",
               gemm_models: tuple[str, ...] = ("tiny-qwen3", "smollm2-135m"), regions: bool = True,
-              num_prompts: int = 2, samples_per_prompt: int = 2, max_new_tokens: int = 32, seed: int = 0) -> dict:
+              num_prompts: int = 2, samples_per_prompt: int = 2, max_new_tokens: int = 32, seed: int = 0,
+              tokens_from: str | os.PathLike | None = None) -> dict:
     """The numerics card of the installed stack on this machine (see the module docstring).
 
     Args:
@@ -201,6 +243,9 @@ def make_card(model: str = "tiny-qwen3", *, engines=tuple(ENGINE_KINDS), gemm: s
         gemm_models: whose linear shapes the GEMM is measured at (`smollm2-135m`: SmolLM2-135M's widths, no
             checkpoint needed).
         regions: also run each region's per-op probe against every engine.
+        tokens_from: another card (JSON): score its samples (`tokens` section, per engine kind) instead of sampling,
+            so that two stacks are compared over the same tokens (the samplers of two releases may draw differently
+            from the same seed).
     """
     from ..local_models import resolve_model
 
@@ -209,6 +254,9 @@ def make_card(model: str = "tiny-qwen3", *, engines=tuple(ENGINE_KINDS), gemm: s
         raise ValueError(f"Unknown engine kind(s) {unknown}; known: {', '.join(ENGINE_KINDS)}.")
     if gemm not in ("quick", "full", "off"):
         raise ValueError(f"gemm must be 'quick', 'full' or 'off', got {gemm!r}.")
+    given = load_card(tokens_from).get("tokens", {}) if tokens_from is not None else None
+    if given is not None and (missing := [e for e in engines if e not in given]):
+        raise ValueError(f"{tokens_from} holds no samples of the {', '.join(missing)} engine(s).")
     t0 = time.perf_counter()
     model_path = resolve_model(model)
     card: dict = {"schema": SCHEMA, "model": model, "versions": stack_versions(), "cpu": cpu_section()}
@@ -217,9 +265,11 @@ def make_card(model: str = "tiny-qwen3", *, engines=tuple(ENGINE_KINDS), gemm: s
     card["engines"] = {}
     for kind in engines:
         sec = engine_section(model_path, kind, regions=regions, num_prompts=num_prompts,
-                             samples_per_prompt=samples_per_prompt, max_new_tokens=max_new_tokens, seed=seed)
+                             samples_per_prompt=samples_per_prompt, max_new_tokens=max_new_tokens, seed=seed,
+                             fixed=given[kind] if given is not None else None)
         card["engines"][kind] = sec
     seconds = {kind: sec.pop("_seconds", None) for kind, sec in card["engines"].items()}
+    tokens = {kind: sec.pop("_tokens") for kind, sec in card["engines"].items()}
     card["verdict"] = {
         kind: {"profile": sec["profile_for_engine"] if sec["profile_derived"] else "refused",
                "exact_bitwise": sec["exact_bitwise"],
@@ -232,7 +282,9 @@ def make_card(model: str = "tiny-qwen3", *, engines=tuple(ENGINE_KINDS), gemm: s
         "seconds": {"total": round(time.perf_counter() - t0, 1), "engines": seconds},
         "settings": {"num_prompts": num_prompts, "samples_per_prompt": samples_per_prompt,
                      "max_new_tokens": max_new_tokens, "seed": seed},
+        "tokens_from": str(tokens_from) if tokens_from is not None else None,
     }
+    card["tokens"] = tokens  # the scored sequences (not compared by diff_cards; `tokens_from` reads them)
     return card
 
 
@@ -295,10 +347,20 @@ def _show(v) -> str:
     return json.dumps(v, separators=(",", ":")) if not isinstance(v, str) else v
 
 
+def _change(old, new) -> str:
+    """`old -> new`; for lists of names (splitting ops, custom ops, bitwise profiles) what was added and removed."""
+    if isinstance(old, list) and isinstance(new, list) and all(isinstance(x, str) for x in old + new):
+        added, removed = [x for x in new if x not in old], [x for x in old if x not in new]
+        if added or removed:
+            return "; ".join(p for p in (f"added {_show(added)}" if added else "",
+                                         f"removed {_show(removed)}" if removed else "") if p)
+    return f"{_show(old)} -> {_show(new)}"
+
+
 def diff_cards(a: dict, b: dict) -> list[str]:
-    """One line per field that differs between two cards (`meta` is not compared), in card order."""
-    fa = _flatten({k: v for k, v in a.items() if k != "meta"})
-    fb = _flatten({k: v for k, v in b.items() if k != "meta"})
+    """One line per field that differs between two cards (`NOT_COMPARED` sections aside), in card order."""
+    fa = _flatten({k: v for k, v in a.items() if k not in NOT_COMPARED})
+    fb = _flatten({k: v for k, v in b.items() if k not in NOT_COMPARED})
     lines = []
     for key in list(fa) + [k for k in fb if k not in fa]:
         if key not in fb:
@@ -306,7 +368,7 @@ def diff_cards(a: dict, b: dict) -> list[str]:
         elif key not in fa:
             lines.append(f"{key}: (absent) -> {_show(fb[key])}")
         elif fa[key] != fb[key]:
-            lines.append(f"{key}: {_show(fa[key])} -> {_show(fb[key])}")
+            lines.append(f"{key}: {_change(fa[key], fb[key])}")
     return lines
 
 
@@ -347,7 +409,13 @@ def card_markdown(card: dict) -> str:
         lines += ["| condition | profile | k3 vs prefill | bit-identical | tokens |", "|---|---|---|---|---|"]
         for name, c in e["conditions"].items():
             lines.append(f"| {name} | {c['profile']} | {c['k3']:.3e} | {c['bit_identical']:.2%} | {c['tokens']} |")
-        lines.append("")
+        smp = e.get("samples", {})
+        lines += ["", f"Samples: {smp.get('sequences')} sequences, {smp.get('completion_tokens')} completion tokens, "
+                  f"token ids sha1 `{smp.get('token_ids_sha1')}` ({smp.get('source')}"
+                  + (f" from {card['meta']['tokens_from']}" if card.get("meta", {}).get("tokens_from") else "")
+                  + "). Engine floors: "
+                  + "; ".join(f"{n} k3 {f['k3']:.3e}, {f['bit_identical']:.2%} bit-identical"
+                              for n, f in e.get("floors", {}).items()), ""]
     if "gemm" in card:
         g = card["gemm"]
         lines += [f"## GEMM batch invariance ({g['mode']}, M up to {g['max_rows']})", "",
