@@ -54,7 +54,7 @@ def token(monkeypatch):
 class Server:
     """A `trl vllm-serve` process (own process group) and its log; no --host: the default is loopback."""
 
-    def __init__(self, model: Path, log: Path, backend: str = "gloo"):
+    def __init__(self, model: Path, log: Path, backend: str = "gloo", extra: list[str] = ()):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
@@ -62,7 +62,7 @@ class Server:
             sys.executable, "-m", "trl_roundalign.weight_transfer.serve",
             "--model", str(model), "--port", str(self.port),
             "--max_model_len", "256",
-            "--weight-transfer-config", json.dumps({"backend": backend}),
+            "--weight-transfer-config", json.dumps({"backend": backend}), *extra,
         ]  # fmt: skip
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
         env[TOKEN_ENV] = TOKEN

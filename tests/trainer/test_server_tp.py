@@ -1,0 +1,156 @@
+"""Server mode against a TP=2 vLLM-CPU server (issue 27; docs/numerics.md, "Tensor parallelism").
+
+The test starts `python -m trl_roundalign.weight_transfer.serve --tensor-parallel-size 2` itself on 127.0.0.1 (two
+worker processes, one core per rank: the module binds them, `VLLM_CPU_OMP_THREADS_BIND=0|1`, and gives them the
+weight-sync fix), and trains 2 steps of the tiny Qwen3 with the three regions against it. Claims:
+
+- the trainer reads TP=2 from `/server_info` and computes o_proj/down_proj as the server's ranks sum them
+  (`tp.install_tp_linears`), recorded in the mismatch.jsonl header; the start-up check passes with that form, and
+  scored again without it the same profile is further from the server (k3 higher);
+- weights sync over gloo to both TP workers: the server's log-probs follow the trainer's after training;
+- the mismatch metrics are logged every step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from test_server_mode import TEXT, Server, free_port, server_logprobs, trainer_logprobs  # noqa: E402
+from test_server_mode import token as token  # noqa: F401,E402  (autouse: the server's token in the environment)
+from trainer_helpers import make_config, varied_reward  # noqa: E402
+
+from trl_roundalign.local_models import tiny_model
+
+ONE_GRAPH_TP2 = dict(
+    vllm_version="0.31.0", platform="cpu", compile_mode="DYNAMO_TRACE_ONCE", enforce_eager=False, custom_ops=["none"],
+    backend="inductor", torch_version="2.13.0+cpu", tensor_parallel_size=2,
+)
+
+
+class _Trainer:  # what `verify_server.server_tp` reads and sets
+    def __init__(self, model_type: str):
+        self.model = SimpleNamespace(config=SimpleNamespace(model_type=model_type))
+        self._roundalign_tp = 1
+
+
+def test_server_tp_reads_the_size_and_refuses_unmeasured_layouts_in_one_line():
+    """No server: `server_tp` on the layouts a /server_info reading can give."""
+    from trl_roundalign.engine import EngineInfo, UnknownEngineConfiguration, vllm_cpu_kernel_library
+    from trl_roundalign.verify_server import server_tp
+
+    url = "http://127.0.0.1:1"
+    trainer = _Trainer("qwen3")
+    assert server_tp(trainer, None, url) == 1 and trainer._roundalign_tp == 1  # platform unknown: nothing sharded
+    assert server_tp(trainer, EngineInfo(**{**ONE_GRAPH_TP2, "tensor_parallel_size": 1}), url) == 1
+    refused = {
+        "eager": {"compile_mode": "NONE", "enforce_eager": True},
+        "tp4": {"tensor_parallel_size": 4},
+        "gpu": {"platform": "cuda", "torch_version": "2.13.0+cu130"},
+    }
+    for why, change in refused.items():
+        with pytest.raises(UnknownEngineConfiguration, match=r"^This engine's tensor parallel size is \d: ") as err:
+            server_tp(trainer, EngineInfo(**{**ONE_GRAPH_TP2, **change}), url)
+        assert "\n" not in str(err.value) and trainer._roundalign_tp == 1, (why, str(err.value))
+    if vllm_cpu_kernel_library() != "_C":
+        pytest.skip("TP=2 is aligned with vLLM-CPU's _C library only (the shared-memory all-reduce)")
+    assert server_tp(trainer, EngineInfo(**ONE_GRAPH_TP2), url) == 2 and trainer._roundalign_tp == 2
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2: its row-parallel sums are measured for llama, qwen3, "):
+        server_tp(_Trainer("olmo2"), EngineInfo(**ONE_GRAPH_TP2), url)
+
+
+
+STARTUP_TIMEOUT_S = 600
+
+
+@pytest.fixture(scope="module")
+def tp2_server(tmp_path_factory):
+    log = tmp_path_factory.mktemp("vllm-server-tp2") / "server.log"
+    srv = Server(tiny_model("qwen3"), log, extra=["--tensor-parallel-size", "2"])
+    try:
+        srv.wait_ready(STARTUP_TIMEOUT_S)
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.mark.vllm
+def test_server_mode_trains_against_a_tp2_server_with_the_tp_form(tp2_server, tmp_path):
+    from trl_roundalign import RoundAlignGRPOTrainer
+    from trl_roundalign.data import arithmetic_dataset
+    from trl_roundalign.tp import _MARK, remove_tp_linears
+    from trl_roundalign.verify import server_prompt_logprobs, verification_sequences, verify_profile
+
+    server = tp2_server
+    with server.log_on_failure():
+        assert "VLLM_CPU_OMP_THREADS_BIND=0|1" in server.log.read_text(errors="replace")
+        updates_before = server.log.read_text(errors="replace").count('"POST /update_weights HTTP/1.1" 200')
+        args = make_config(
+            tmp_path, max_steps=2, vllm_mode="server", vllm_server_base_url=server.url, vllm_server_timeout=60,
+            vllm_group_port=free_port(), roundalign_profile="auto", learning_rate=1e-3,
+        )  # fmt: skip
+        trainer = RoundAlignGRPOTrainer(
+            model=tiny_model("qwen3"), reward_funcs=varied_reward, args=args,
+            train_dataset=arithmetic_dataset("train[:16]"),
+        )  # fmt: skip
+        client = trainer.vllm_generation.vllm_client
+        assert client.get_world_size() == 2  # the server's ranks, each of which joined the trainer's gloo group
+        ver = trainer.roundalign_verification
+        assert ver is not None and ver.verdict == "ok" and ver.engine_profile == "vllm-compiled", ver
+        assert ver.engine["tensor_parallel_size"] == 2 and ver.engine["compiled"], ver.engine
+        assert trainer.roundalign_profile == "vllm-compiled"
+        assert trainer.roundalign_report.regions == ("rope", "swiglu", "rmsnorm")
+        tp_layers = [n for n, m in trainer.model.named_modules() if _MARK in m.__dict__]
+        assert tp_layers and {n.rsplit(".", 1)[-1] for n in tp_layers} == {"o_proj", "down_proj"}, tp_layers
+        assert trainer.roundalign_run_info()["tensor_parallel_size"] == 2
+
+        # The check's chosen score was with the TP form; the same profile scored without it is further away.
+        tokenizer = trainer.processing_class
+        seqs = verification_sequences(tokenizer)
+        engine = server_prompt_logprobs(client, seqs)
+        with_tp = next(c for c in ver.candidates if c.profile == "vllm-compiled")
+        remove_tp_linears(trainer.model)
+        try:
+            plain = verify_profile(
+                trainer.model, engine, seqs, chosen="vllm-compiled", regions=args.roundalign_regions, info=None,
+                backend=args.roundalign_backend, lanes=None, candidates=["vllm-compiled"], auto_ok=False,
+            )  # fmt: skip
+        finally:
+            trainer.roundalign_report = trainer._install_patches(args)  # patches and TP form back
+        without_tp = plain.candidates[0]
+        print(f"start-up check k3 vs the TP=2 server: with the TP form {with_tp.kl_k3:.3g} "
+              f"({with_tp.frac_bitwise_equal:.1%} bit-identical), without {without_tp.kl_k3:.3g} "
+              f"({without_tp.frac_bitwise_equal:.1%})")
+        assert without_tp.kl_k3 > with_tp.kl_k3, (with_tp, without_tp)
+        assert _MARK in trainer.model.model.layers[0].mlp.down_proj.__dict__
+
+        ids = tokenizer(TEXT)["input_ids"]
+        served_0, local_0 = server_logprobs(client, ids), trainer_logprobs(trainer.model, ids)
+        base_gap = (served_0 - local_0).abs().max().item()
+        trainer.train()
+        trainer.vllm_generation.sync_weights()
+        served_2, local_2 = server_logprobs(client, ids), trainer_logprobs(trainer.model, ids)
+        moved = (local_2 - local_0).abs().max().item()
+        gap = (served_2 - local_2).abs().max().item()
+        stale = (served_0 - local_2).abs().max().item()
+        print(f"log-probs: trainer moved {moved:.3g}; server vs trainer before {base_gap:.3g}, after {gap:.3g}")
+        assert moved > 1e-2, "training did not move the policy's log-probs; the check below would prove nothing"
+        assert not torch.equal(served_2, served_0), "the server's log-probs did not change: weights were not synced"
+        assert gap < max(4 * base_gap, 1e-3), (gap, base_gap)
+        assert gap < stale / 4, (gap, stale)
+        # Weights went over at start-up, before step 2's generation, and in the sync above: every one answered 200
+        # once both TP workers had received them.
+        updates = server.log.read_text(errors="replace").count('"POST /update_weights HTTP/1.1" 200')
+        assert updates - updates_before == 3, (updates, updates_before)
+
+        steps = [h for h in trainer.state.log_history if "mismatch/kl_k3" in h]
+        assert [h["step"] for h in steps] == [1, 2]
+        for h in steps:
+            assert math.isfinite(h["mismatch/kl_k3"]) and h["mismatch/tokens"] > 0
+        rows = (tmp_path / "mismatch.jsonl").read_text().splitlines()
+        header = json.loads(rows[0])["run_info"]
+        assert header["tensor_parallel_size"] == 2 and header["verification"]["engine"]["tensor_parallel_size"] == 2
+        assert [json.loads(r)["step"] for r in rows[1:]] == [1, 2]
