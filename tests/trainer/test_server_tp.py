@@ -154,3 +154,23 @@ def test_server_mode_trains_against_a_tp2_server_with_the_tp_form(tp2_server, tm
         header = json.loads(rows[0])["run_info"]
         assert header["tensor_parallel_size"] == 2 and header["verification"]["engine"]["tensor_parallel_size"] == 2
         assert [json.loads(r)["step"] for r in rows[1:]] == [1, 2]
+
+
+@pytest.mark.vllm
+def test_an_explicit_profile_gets_the_tp_form_from_the_start_up_check(tp2_server, tmp_path):
+    """`roundalign_profile='vllm-compiled'` (not 'auto'): the start-up check reads the TP size and installs the form;
+    the eager profile, scored with it too, is told apart."""
+    from test_server_mode import server_trainer
+
+    from trl_roundalign.tp import _MARK
+
+    with tp2_server.log_on_failure():
+        trainer = server_trainer(tp2_server, tmp_path, "vllm-compiled")
+        trainer.vllm_generation.vllm_client.close_communicator()
+    assert trainer._roundalign_tp == 2 and trainer.roundalign_run_info()["tensor_parallel_size"] == 2
+    assert sum(_MARK in m.__dict__ for m in trainer.model.modules()) == 2 * trainer.model.config.num_hidden_layers
+    ver = trainer.roundalign_verification
+    assert ver.verdict == "ok" and ver.engine_profile == "vllm-compiled", ver
+    chosen = next(c for c in ver.candidates if c.profile == "vllm-compiled")
+    eager = next(c for c in ver.candidates if c.profile.startswith("vllm-eager"))
+    assert eager.kl_k3 - chosen.kl_k3 > ver.k3_margin, ver
