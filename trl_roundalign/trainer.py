@@ -317,6 +317,10 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
     def _resolve_profile(self, args: RoundAlignGRPOConfig) -> str:
         wants_exact = "attention" in args.roundalign_regions
         if args.roundalign_profile != "auto":
+            if args.use_vllm and args.vllm_mode == "server" and not args.roundalign_verify_profile:
+                from .verify_server import server_layout_unverified
+
+                server_layout_unverified(self, args)  # the server's row blocks and TP layout: nothing else reads them
             return args.roundalign_profile
         if not args.use_vllm:
             return "none"  # no engine to align with (regions are refused without one): HF's own rounding

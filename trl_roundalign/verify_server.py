@@ -110,16 +110,11 @@ def verify_server_profile(trainer, args):
     return result
 
 
-def server_profile(trainer, args) -> str:
-    """`roundalign_profile='auto'` in server mode: the profile the server's reported configuration implies.
-
-    The main process reads `/server_info` and every process takes its answer (so that no process waits on a request
-    that failed). A server that does not say on which platform it runs, or one whose configuration nobody measured,
-    stops the run with one line; nothing is assumed.
-    """
+def read_server_info(trainer, args):
+    """`(EngineInfo or None, why, url)` of the vLLM server, from its `/server_info`: the main process asks, every
+    process takes its answer (so that no process waits on a request that failed)."""
     from accelerate.utils import broadcast_object_list
 
-    from .engine import profile_for_engine
     from .verify import server_engine_info
 
     client = getattr(trainer.vllm_generation, "vllm_client", None)
@@ -134,6 +129,44 @@ def server_profile(trainer, args) -> str:
             payload = [(None, " ".join(f"{type(e).__name__}: {e}".split()))]
     broadcast_object_list(payload, from_process=0)
     info, about = payload[0]
+    return info, about, url
+
+
+def follow_server_layout(trainer, info, url) -> None:
+    """The server's GEMM row blocks and tensor-parallel sums, for `_install_patches` to reproduce on the policy."""
+    if info is not None:
+        rows = info.gemm_block_rows or 0
+        if rows != trainer._roundalign_gemm_rows:
+            logger.info("the vLLM server's linears compute in row blocks of %d rows; the policy's do too", rows)
+        trainer._roundalign_gemm_rows = rows
+    server_tp(trainer, info, url)
+
+
+def server_layout_unverified(trainer, args) -> None:
+    """An explicit profile with the start-up check off: nothing else reads `/server_info`, so read it here for the
+    server's row blocks and TP layout; a server that does not say is warned about (they cannot be followed)."""
+    import warnings
+
+    info, about, url = read_server_info(trainer, args)
+    if info is None:
+        warnings.warn(
+            f"The vLLM server at {url} does not report its configuration ({about}) and roundalign_verify_profile=False: "
+            "its GEMM row blocks and tensor-parallel layout cannot be followed, and nothing checks the profile.",
+            UserWarning,
+            stacklevel=4,
+        )
+    follow_server_layout(trainer, info, url)
+
+
+def server_profile(trainer, args) -> str:
+    """`roundalign_profile='auto'` in server mode: the profile the server's reported configuration implies.
+
+    A server that does not say on which platform it runs, or one whose configuration nobody measured, stops the run
+    with one line; nothing is assumed. Its row blocks and TP layout are followed (`follow_server_layout`).
+    """
+    from .engine import profile_for_engine
+
+    info, about, url = read_server_info(trainer, args)
     if info is None or (info.compile_mode == "None" and not info.enforce_eager):
         raise ValueError(
             f"roundalign_profile='auto' reads the vLLM server's configuration, but the server at {url} does not say "
@@ -141,7 +174,7 @@ def server_profile(trainer, args) -> str:
             "(vLLM's CUDA default), 'vllm-eager' with --enforce-eager; `trl-roundalign probe` measures other settings."
         )
     profile = profile_for_engine(info, tensor_parallel=True)  # the trainer computes the TP form (`server_tp`)
-    server_tp(trainer, info, url)
+    follow_server_layout(trainer, info, url)
     logger.info("roundalign_profile='auto': %s, from the vLLM server at %s (%s)", profile, url, about)
     return profile
 

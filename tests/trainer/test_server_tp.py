@@ -174,3 +174,19 @@ def test_an_explicit_profile_gets_the_tp_form_from_the_start_up_check(tp2_server
     chosen = next(c for c in ver.candidates if c.profile == "vllm-compiled")
     eager = next(c for c in ver.candidates if c.profile.startswith("vllm-eager"))
     assert eager.kl_k3 - chosen.kl_k3 > ver.k3_margin, ver
+
+
+def test_with_the_start_up_check_off_the_server_layout_is_still_followed(tp2_server, tmp_path):
+    """`roundalign_verify_profile=False` and an explicit profile: nothing verifies, but the trainer still reads the
+    server's /server_info for what it must reproduce (the TP form and the GEMM row blocks), rather than silently
+    computing the TP=1 form."""
+    from test_server_mode import server_trainer
+
+    from trl_roundalign.tp import _MARK
+
+    with tp2_server.log_on_failure():
+        trainer = server_trainer(tp2_server, tmp_path, "vllm-compiled", roundalign_verify_profile=False)
+        trainer.vllm_generation.vllm_client.close_communicator()
+    assert trainer.roundalign_verification is None
+    assert trainer._roundalign_tp == 2 and trainer.roundalign_run_info()["tensor_parallel_size"] == 2
+    assert sum(_MARK in m.__dict__ for m in trainer.model.modules()) == 2 * trainer.model.config.num_hidden_layers
