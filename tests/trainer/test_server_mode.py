@@ -170,23 +170,7 @@ def train_and_check_the_sync(server, tmp_path, model_path: Path, *, min_candidat
         assert trainer.roundalign_report.profile == trainer.roundalign_profile == "vllm-compiled"
         ids = trainer.processing_class(TEXT)["input_ids"]
 
-        # Before training the server holds the checkpoint: it agrees with the trainer up to rounding.
-        served_0, local_0 = server_logprobs(client, ids), trainer_logprobs(trainer.model, ids)
-        base_gap = (served_0 - local_0).abs().max().item()
-
-        trainer.train()
-        # The server generated step 2 with the weights after step 1; push the final weights once more.
-        trainer.vllm_generation.sync_weights()
-        served_2, local_2 = server_logprobs(client, ids), trainer_logprobs(trainer.model, ids)
-
-        moved = (local_2 - local_0).abs().max().item()
-        gap = (served_2 - local_2).abs().max().item()
-        stale = (served_0 - local_2).abs().max().item()
-        print(f"log-probs: trainer moved {moved:.3g}; server vs trainer before {base_gap:.3g}, after {gap:.3g}")
-        assert moved > 1e-2, "training did not move the policy's log-probs; the check below would prove nothing"
-        assert not torch.equal(served_2, served_0), "the server's log-probs did not change: weights were not synced"
-        assert gap < max(4 * base_gap, 1e-3), (gap, base_gap)  # follows the trainer as closely as at the start
-        assert gap < stale / 4, (gap, stale)  # and is far closer to the new weights than to the old ones
+        train_and_check_the_server_follows(trainer, client, ids)
 
         # Weights went over at start-up (the profile check scores the trainer's weights; step 1's generation uses
         # them), before step 2's generation, plus the sync above (access log).
@@ -216,6 +200,26 @@ def test_olmo2_trains_in_server_mode(tmp_path):
         train_and_check_the_sync(server, tmp_path / "run", model, min_candidates=2)
     finally:
         server.stop()
+
+
+def train_and_check_the_server_follows(trainer, client, ids) -> None:
+    """Train, push the final weights, and check the server's log-probs follow the trainer's (as closely as before
+    training, and far closer to the new weights than to the old)."""
+    # Before training the server holds the checkpoint: it agrees with the trainer up to rounding.
+    served_0, local_0 = server_logprobs(client, ids), trainer_logprobs(trainer.model, ids)
+    base_gap = (served_0 - local_0).abs().max().item()
+    trainer.train()
+    # The server generated the last step with the weights before it; push the final weights once more.
+    trainer.vllm_generation.sync_weights()
+    served_2, local_2 = server_logprobs(client, ids), trainer_logprobs(trainer.model, ids)
+    moved = (local_2 - local_0).abs().max().item()
+    gap = (served_2 - local_2).abs().max().item()
+    stale = (served_0 - local_2).abs().max().item()
+    print(f"log-probs: trainer moved {moved:.3g}; server vs trainer before {base_gap:.3g}, after {gap:.3g}")
+    assert moved > 1e-2, "training did not move the policy's log-probs; the check below would prove nothing"
+    assert not torch.equal(served_2, served_0), "the server's log-probs did not change: weights were not synced"
+    assert gap < max(4 * base_gap, 1e-3), (gap, base_gap)  # follows the trainer as closely as at the start
+    assert gap < stale / 4, (gap, stale)  # and is far closer to the new weights than to the old ones
 
 
 def server_trainer(server, tmp_path, profile: str, **overrides):
