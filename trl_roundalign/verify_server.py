@@ -28,7 +28,6 @@ def verify_server_profile(trainer, args):
         STRICTLY_BETTER,
         ProfileMismatch,
         engine_self_k3,
-        server_engine_info,
         server_prompt_logprobs,
         verification_sequences,
         verify_profile,
@@ -50,18 +49,17 @@ def verify_server_profile(trainer, args):
     trainer._last_loaded_step = trainer.state.global_step
     tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
     sequences = verification_sequences(tokenizer)
+    info, about, url = read_server_info(trainer, args)
+    if about.startswith("request failed: "):  # every process stops alike with the main process's line
+        raise RuntimeError(f"The server-mode start-up check could not query the vLLM server at {url}: "
+                           f"{about[len('request failed: '):]}")  # fmt: skip
     payload, failure = [None], None
     if client is not None:
         try:
-            response = client.session.get(f"{url}/server_info", params={"config_format": "json"})
-            if response.status_code == 200:
-                info, about = server_engine_info(response.json())
-            else:
-                info, about = None, f"its /server_info answered {response.status_code}"
             batched = server_prompt_logprobs(client, sequences)
             # The same sequences one request each: how far the engine disagrees with itself (its noise margin).
             single = [server_prompt_logprobs(client, [seq])[0] for seq in sequences]
-            payload = [(info, about, batched, single)]
+            payload = [(batched, single)]
         except Exception as e:  # noqa: BLE001 - broadcast, so that no process waits for a payload that never comes
             failure = e
             why = " ".join(f"{type(e).__name__}: {e}".split())
@@ -71,16 +69,16 @@ def verify_server_profile(trainer, args):
     broadcast_object_list(payload, from_process=0)  # every process scores (and stops) alike
     if isinstance(payload[0], str):  # the main process's request failed: every process stops with its line
         raise RuntimeError(payload[0]) from failure
-    info, about, engine_logps, engine_single = payload[0]
+    engine_logps, engine_single = payload[0]
     noise = engine_self_k3(engine_logps, engine_single)
-    rows = (info.gemm_block_rows or 0) if info is not None else 0
-    if rows != trainer._roundalign_gemm_rows:  # the server's linears compute in row blocks: ours do the same
-        trainer._roundalign_gemm_rows = rows
-        for target in _targets(trainer):
+    # The server's row blocks and TP sums, on the policy before it is scored (the scoring re-patches the regions).
+    rows_before = trainer._roundalign_gemm_rows
+    follow_server_layout(trainer, info, url)
+    rows = trainer._roundalign_gemm_rows
+    for target in _targets(trainer):
+        if rows != rows_before:
             install_row_blocked_linears(target, rows)
-        logger.info("the vLLM server's linears compute in row blocks of %d rows; the policy's do too", rows)
-    if server_tp(trainer, info, url) > 1:  # after the row blocks, whose forward it replaces on o_proj/down_proj
-        for target in _targets(trainer):
+        if trainer._roundalign_tp > 1:  # after the row blocks, whose forward it replaces on o_proj/down_proj
             install_tp_linears(target, trainer._roundalign_tp, rows)
     if info is None:
         candidates, note = list(ALL_BASE_CANDIDATES), f" The server's platform is unknown: {about}."
@@ -112,7 +110,11 @@ def verify_server_profile(trainer, args):
 
 def read_server_info(trainer, args):
     """`(EngineInfo or None, why, url)` of the vLLM server, from its `/server_info`: the main process asks, every
-    process takes its answer (so that no process waits on a request that failed)."""
+    process takes its answer (so that no process waits on a request that failed). Read once per trainer (kept as
+    `trainer._roundalign_server_info`). A request that raised leaves `why` starting with "request failed: "."""
+    cached = getattr(trainer, "_roundalign_server_info", None)
+    if cached is not None:
+        return cached
     from accelerate.utils import broadcast_object_list
 
     from .verify import server_engine_info
@@ -126,19 +128,19 @@ def read_server_info(trainer, args):
             payload = [server_engine_info(response.json()) if response.status_code == 200 else
                        (None, f"its /server_info answered {response.status_code}")]
         except Exception as e:  # noqa: BLE001 - broadcast, so that no process waits for a payload that never comes
-            payload = [(None, " ".join(f"{type(e).__name__}: {e}".split()))]
+            payload = [(None, "request failed: " + " ".join(f"{type(e).__name__}: {e}".split()))]
     broadcast_object_list(payload, from_process=0)
     info, about = payload[0]
+    trainer._roundalign_server_info = (info, about, url)
     return info, about, url
 
 
 def follow_server_layout(trainer, info, url) -> None:
     """The server's GEMM row blocks and tensor-parallel sums, for `_install_patches` to reproduce on the policy."""
-    if info is not None:
-        rows = info.gemm_block_rows or 0
-        if rows != trainer._roundalign_gemm_rows:
-            logger.info("the vLLM server's linears compute in row blocks of %d rows; the policy's do too", rows)
-        trainer._roundalign_gemm_rows = rows
+    rows = (info.gemm_block_rows or 0) if info is not None else 0
+    if rows != trainer._roundalign_gemm_rows:
+        logger.info("the vLLM server's linears compute in row blocks of %d rows; the policy's do too", rows)
+    trainer._roundalign_gemm_rows = rows
     server_tp(trainer, info, url)
 
 
