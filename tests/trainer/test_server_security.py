@@ -48,6 +48,9 @@ def served_command(monkeypatch, argv: list[str], env: dict[str, str] | None = No
 
     monkeypatch.setattr(serve.os, "execve", execve)
     monkeypatch.delenv(auth.TOKEN_ENV, raising=False)
+    # The model "m" has no config to measure the GEMM on: give the row blocks, so that the command does not depend
+    # on whether an earlier test in the process set them (it did in the suite, not when this file runs alone).
+    monkeypatch.setenv("ROUNDALIGN_GEMM_BLOCK_ROWS", "0")
     for k, v in (env or {}).items():
         monkeypatch.setenv(k, v)
     serve.main(argv)
