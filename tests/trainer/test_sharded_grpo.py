@@ -182,7 +182,8 @@ def test_zero3_grpo_two_processes_sync_metrics_resume(tmp_path):
 
 
 _REFUSE = r"""
-import sys
+import os, sys
+from pathlib import Path
 from trl_roundalign import RoundAlignGRPOTrainer
 from trl_roundalign.data import arithmetic_dataset
 from trl_roundalign.local_models import tiny_model
@@ -194,7 +195,9 @@ try:
                                     train_dataset=arithmetic_dataset("train[:8]"))
     trainer.train()
 except ValueError as e:
-    print("REFUSED " + str(e), flush=True)
+    # One file per rank: two processes printing to one pipe can interleave their lines.
+    Path(sys.argv[1]).mkdir(parents=True, exist_ok=True)
+    Path(sys.argv[1], "refused." + os.environ["RANK"]).write_text(str(e))
     sys.exit(3)
 print("TRAINED", trainer.accelerator.mixed_precision, flush=True)
 """
@@ -202,11 +205,11 @@ print("TRAINED", trainer.accelerator.mixed_precision, flush=True)
 
 @pytest.mark.parametrize("config", ["fsdp2.yaml", "zero3.yaml"])
 def test_bf16_parameters_under_fsdp2_or_zero3_without_mixed_precision_are_refused(tmp_path, config):
-    import socket
-
     """Without mixed precision accelerate does not upcast (FSDP2) and DeepSpeed keeps no fp32 copy: the optimizer
     would step the bf16 parameters and updates below half an ulp would round away. Through accelerate's real
     FSDP2/DeepSpeed preparation (the shim), two processes, the trainer refuses in one line naming what to set."""
+    import socket
+
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -221,8 +224,9 @@ def test_bf16_parameters_under_fsdp2_or_zero3_without_mixed_precision_are_refuse
         str(tmp_path / "out"), str(Path(__file__).parent),
     ]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    refused = [ln for ln in proc.stdout.splitlines() if ln.startswith("REFUSED ")]
+    refused = [p.read_text() for p in sorted((tmp_path / "out").glob("refused.*"))]
     assert proc.returncode != 0 and len(refused) == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert all("\n" not in ln for ln in refused), refused  # one line each
     # FSDP2: the bf16 shards reach the optimizer. ZeRO-3: zero.Init already loaded the policy in fp32 (DeepSpeed
     # without bf16), which the patching refuses first; both lines say to train with bf16=True.
     says = "round away. Train with mixed precision: bf16=True" if config == "fsdp2.yaml" else "train with bf16=True"
