@@ -15,18 +15,32 @@ other ranks' in fp32 (rank-rotated order) and rounds once to bf16:
 gradient (the gradient is not part of the bitwise claim). Measured: k = 2 on vLLM-CPU's one-graph compiled engine
 with the shared-memory all-reduce; `tp_refusal` names what differs in every other layout
 (`engine.profile_for_engine` refuses it in one line).
+
+CUDA (read from vLLM 0.31's sources, not run; docs/numerics.md, "Tensor parallelism on CUDA"): which kernel sums a
+row-parallel layer's partials depends on the GPU, FlashInfer, environment flags, the compile passes and the message
+size. `cuda_all_reduce_transport` reads that choice from a layout (`read_cuda_all_reduce` takes it from a built
+engine): only vLLM's custom all-reduce at TP=2, one stage, is a fixed fp32 sum with one rounding (the form computed
+here, and by the Triton kernel `trl_roundalign.ops.triton.row_parallel`); every other transport is refused with its
+reason, and an accepted CUDA layout carries the claim `CUDA_TP_CLAIM`, never "measured".
 """
 
 from __future__ import annotations
 
 import functools
+import logging
+import os
 
 import torch
 
+logger = logging.getLogger(__name__)
+
 __all__ = [
+    "CUDA_TP_CLAIM",
     "MEASURED_TP",
     "ROW_PARALLEL",
-        "install_tp_linears",
+    "cuda_all_reduce_transport",
+    "install_tp_linears",
+    "read_cuda_all_reduce",
     "remove_tp_linears",
     "row_parallel_linear",
     "tp_refusal",
@@ -139,6 +153,10 @@ def tp_refusal(info, *, aligned: bool, library: str | None) -> str | None:
     engine's prefill; docs/numerics.md, "Tensor parallelism"): vLLM-CPU compiled as one graph, its AVX-512 kernel
     library (`library == "_C"`: the shared-memory all-reduce), and only when the caller computes the TP form
     (`aligned`).
+
+    CUDA TP=2 passes only where the layout the engine was read with (`info.cuda_all_reduce`, from
+    `read_cuda_all_reduce`) sends every row-parallel all-reduce to vLLM's one-stage custom all-reduce
+    (`cuda_all_reduce_transport`); that acceptance is read from sources, not run (`CUDA_TP_CLAIM`, logged).
     """
     tp = int(getattr(info, "tensor_parallel_size", 1) or 1)
     if tp == 1:
@@ -147,10 +165,147 @@ def tp_refusal(info, *, aligned: bool, library: str | None) -> str | None:
         return "the trainer's unsharded matmul does not sum the shards' partial products (trl_roundalign.tp aligns TP=2)"
     if tp not in MEASURED_TP:
         return f"measured: {', '.join(map(str, MEASURED_TP))}"
+    if info.platform == "cuda":
+        return _cuda_refusal(info)
     if info.platform != "cpu":
         return f"on {info.platform} the all-reduce's arithmetic depends on its transport (measured: vLLM-CPU)"
     if not info.compiled or info.compile_mode != "DYNAMO_TRACE_ONCE":
         return "measured: vLLM-CPU's one-graph compiled engine"
     if library != "_C":
         return f"vLLM-CPU's {library} kernel library (measured: _C, its shared-memory all-reduce)"
+    return None
+
+
+# --------------------------------------------------------------------------------------------------
+# CUDA: the all-reduce transports of vLLM 0.31, read from its sources (no GPU has run them).
+#
+# vllm/distributed/device_communicators/cuda_communicator.py `CudaCommunicator.all_reduce` tries, in this order:
+# FlashInfer's all-reduce (`allreduce_fusion`, pattern kAllReduce; on by default: VLLM_ALLREDUCE_USE_FLASHINFER=1,
+# where FlashInfer is installed and the GPU is SM90/SM100-family), NCCL symmetric memory (VLLM_USE_NCCL_SYMM_MEM,
+# TP >= 4), quick all-reduce (ROCm), FlashInfer PCIe IPC (opt-in), AITER (ROCm), vLLM's custom all-reduce
+# (message < max_size), torch symmetric memory (VLLM_ALLREDUCE_USE_SYMM_MEM=1, SM90/SM100 family), then NCCL.
+# csrc/custom_all_reduce.cuh: `cross_device_reduce_1stage` upcasts each rank's bf16 partial to fp32, adds them in
+# rank order 0..k-1 on every rank ("we don't reorder the address so the accumulation order is the same for all
+# ranks") and rounds once; TP=2 always takes it, TP 4-8 only below 512 / 256 KiB, above which the two-stage kernel
+# sums each rank's slice starting from that rank (an order that depends on the element's position).
+# The compile pass `fuse_allreduce_rms` (on at -O2, the default, for TP > 1 on SM90/SM100 with FlashInfer) replaces
+# all-reduce + residual add + RMSNorm by FlashInfer's fused kernel; `enable_sp`/`fuse_gemm_comms` (dense models,
+# hidden >= 8192 on SM90/SM100) replace the all-reduce by reduce-scatter + all-gather. Neither kernel was read.
+
+CUDA_TP_CLAIM = "read from sources, not run"
+_MIB = 1024 * 1024
+# custom_all_reduce.py: CustomAllreduce(max_size=8192 * 1024); with torch symmetric memory enabled the limit is
+# min(8 MiB, all_reduce_utils.CUSTOM_ALL_REDUCE_MAX_SIZES[capability][tp]) (TP=2 column below).
+CUSTOM_AR_MAX_BYTES = 8 * _MIB
+_CUSTOM_AR_SYMM_MEM_TP2 = {"9.0": 64 * _MIB, "10.0": 2 * _MIB, "10.3": 4 * _MIB, "10.7": 4 * _MIB}
+# allreduce_rms_fusion.py FI_ALLREDUCE_FUSION_MAX_SIZE_MB: the capabilities (and TP sizes) where FlashInfer's
+# all-reduce is enabled, standalone and fused.
+_FLASHINFER_AR_TP = {90: (2, 4, 8), 100: (2, 4, 8, 16), 103: (2, 4, 8, 16), 107: (2, 4, 8)}
+_FLASHINFER_AR_MAX_MB_TP2 = 64
+
+
+def _env_flag(name: str, default: str) -> bool:
+    return bool(int(os.environ.get(name, default)))
+
+
+def read_cuda_all_reduce(llm_or_config, *, capability: str | None = None, flashinfer: bool | None = None) -> dict:
+    """The layout `cuda_all_reduce_transport` decides from, read from a built CUDA engine (`vllm.LLM` or its
+    `VllmConfig`) and this process's environment. Attach it to the engine's description before
+    `profile_for_engine(info, tensor_parallel=True)`: `info.cuda_all_reduce = read_cuda_all_reduce(llm)`.
+
+    `capability` ("9.0") and `flashinfer` (FlashInfer's `allreduce_fusion` importable) default to what this
+    process sees."""
+    cfg = llm_or_config.llm_engine.vllm_config if hasattr(llm_or_config, "llm_engine") else llm_or_config
+    pc = cfg.compilation_config.pass_config
+    if capability is None:
+        major, minor = torch.cuda.get_device_capability()
+        capability = f"{major}.{minor}"
+    if flashinfer is None:
+        try:
+            import flashinfer.comm as fc  # noqa: PLC0415
+
+            flashinfer = hasattr(fc, "allreduce_fusion")
+        except Exception:  # noqa: BLE001 - absent or broken: vLLM treats both as unavailable
+            flashinfer = False
+    dtype = cfg.model_config.dtype
+    return {
+        "tp": int(cfg.parallel_config.tensor_parallel_size),
+        "capability": capability,
+        "flashinfer": bool(flashinfer),
+        "use_flashinfer": _env_flag("VLLM_ALLREDUCE_USE_FLASHINFER", "1"),
+        "use_flashinfer_pcie_ipc": _env_flag("VLLM_ALLREDUCE_USE_FLASHINFER_PCIE_IPC", "0"),
+        "use_symm_mem": _env_flag("VLLM_ALLREDUCE_USE_SYMM_MEM", "1"),
+        "batch_invariant": _env_flag("VLLM_BATCH_INVARIANT", "0"),
+        "disable_custom_all_reduce": bool(cfg.parallel_config.disable_custom_all_reduce),
+        "fuse_allreduce_rms": bool(pc.fuse_allreduce_rms),
+        "enable_sp": bool(pc.enable_sp) or bool(pc.fuse_gemm_comms),
+        "hidden": int(cfg.model_config.get_hidden_size()),
+        "max_tokens": int(cfg.scheduler_config.max_num_batched_tokens),
+        "itemsize": int(getattr(dtype, "itemsize", 2)),
+    }
+
+
+def cuda_all_reduce_transport(layout: dict) -> tuple[str | None, str]:
+    """`(transport, why)`: the transport every row-parallel all-reduce of this CUDA layout takes where it is one
+    fixed fp32 sum (`transport` set, `why` what it computes), else `(None, why)` with the one-line reason.
+
+    `layout`: the keys `read_cuda_all_reduce` returns. Read from vLLM 0.31's sources, not run (`CUDA_TP_CLAIM`).
+    """
+    tp = int(layout.get("tp", 1))
+    cap = str(layout.get("capability", ""))
+    cap_int = int(cap.replace(".", "")) if cap.replace(".", "").isdigit() else None
+    if tp != 2:
+        return None, (
+            f"TP={tp}: vLLM's custom all-reduce sums ranks 0..k-1 in fp32 only below 512/256 KiB and in a "
+            "position-dependent rotated order above (read: TP=2 only)"
+        )
+    if layout.get("fuse_allreduce_rms"):
+        return None, (
+            "the fuse_allreduce_rms pass (default at -O2 on SM90/SM100 with FlashInfer) runs FlashInfer's fused "
+            "all-reduce + residual add + RMSNorm, whose summation order was not read; set "
+            "pass_config.fuse_allreduce_rms=False"
+        )
+    if layout.get("enable_sp"):
+        return None, "sequence parallelism / async TP replaces the all-reduce by reduce-scatter + all-gather (not read)"
+    fi_on = (layout.get("flashinfer") and layout.get("use_flashinfer") and not layout.get("batch_invariant")
+             and tp in _FLASHINFER_AR_TP.get(cap_int, ()))
+    if fi_on:
+        return None, (
+            f"FlashInfer's all-reduce (VLLM_ALLREDUCE_USE_FLASHINFER=1, the default) takes every message up to "
+            f"{_FLASHINFER_AR_MAX_MB_TP2} MiB on sm_{cap_int}: its summation order was not read; set "
+            "VLLM_ALLREDUCE_USE_FLASHINFER=0"
+        )
+    if layout.get("use_flashinfer_pcie_ipc") and not layout.get("batch_invariant"):
+        return None, "FlashInfer's PCIe IPC all-reduce (VLLM_ALLREDUCE_USE_FLASHINFER_PCIE_IPC=1) was not read"
+    if layout.get("disable_custom_all_reduce"):
+        return None, "the custom all-reduce is disabled: NCCL sums in bf16 steps whose order was not read"
+    limit = CUSTOM_AR_MAX_BYTES
+    if layout.get("use_symm_mem") and not layout.get("batch_invariant") and cap in _CUSTOM_AR_SYMM_MEM_TP2:
+        limit = min(limit, _CUSTOM_AR_SYMM_MEM_TP2[cap])
+    hidden, tokens, item = layout.get("hidden"), layout.get("max_tokens"), layout.get("itemsize", 2)
+    if not hidden or not tokens:
+        return None, "the largest all-reduce message (max_num_batched_tokens x hidden size) is not known"
+    if (hidden * item) % 16:
+        return None, f"hidden size {hidden}: odd token counts give messages that are not 16-byte multiples (NCCL)"
+    largest = tokens * hidden * item
+    if largest >= limit:
+        return None, (
+            f"messages of {limit // 1024} KiB and more leave the custom all-reduce (for torch symmetric memory "
+            f"or NCCL, not read); max_num_batched_tokens={tokens} x hidden {hidden} x {item} bytes = "
+            f"{largest // 1024} KiB: lower max_num_batched_tokens below {limit // (hidden * item)}"
+        )
+    return "custom_all_reduce_1stage", "vLLM's custom all-reduce, one stage: fp32(p0) + fp32(p1), one rounding"
+
+
+def _cuda_refusal(info) -> str | None:
+    layout = getattr(info, "cuda_all_reduce", None)
+    if layout is None:
+        return (
+            "on cuda the all-reduce's arithmetic depends on its transport, which this engine's description does not "
+            "carry (read it with trl_roundalign.tp.read_cuda_all_reduce)"
+        )
+    transport, why = cuda_all_reduce_transport(layout)
+    if transport is None:
+        return f"on cuda {why}"
+    logger.warning("CUDA TP=%s row-parallel sums accepted as %s: %s.", layout.get("tp"), why, CUDA_TP_CLAIM)
     return None
