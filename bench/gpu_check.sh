@@ -7,7 +7,8 @@
 #   2. bench/bench_ops.py: every region, HF eager vs reference vs Triton (vs Liger if installed), do_bench;
 #   3. bench/bench_model.py: fwd+bwd of Qwen3-1.7B/4B/8B and R1-Distill-Qwen-1.5B shapes (4 layers each,
 #      2048-token sequences, the recipes' micro-batch), five conditions, checkpointing off and on;
-#   4. bench/summarize.py: the short table (also written to summary.md).
+#   4. bench/bench_tp.py: the TP-aligned row-parallel linear (PyTorch form and Triton kernel) against F.linear;
+#   5. bench/summarize.py: the short table (also written to summary.md).
 #
 # Needs only python3 with torch (CUDA), triton and transformers, and this repository (found through
 # PYTHONPATH: nothing is pip-installed, so the package's torch pin does not pull anything). Liger is optional:
@@ -15,12 +16,13 @@
 # -d .whl liger-kernel==0.8.5`) and this script installs it into /tmp/site.
 #
 # Outputs go to $OUT when set (the device tool's folder), else bench/results/gpu-<UTC time>/: gpu_check.log,
-# gpu_tests.log, gpu_tests.xml, bench_ops.json/.csv, bench_model.json/.csv, summary.md (8 files). Copy them to
+# gpu_tests.log, gpu_tests.xml, bench_ops.json/.csv, bench_model.json/.csv, bench_tp.json/.csv, summary.md (10 files). Copy them to
 # bench/results/gpu/ and the tables into docs/cost.md to commit them.
 #
 # Usage: bash bench/gpu_check.sh            (device tool: run(command="bash bench/gpu_check.sh", timeout_s=540,
 #                                             carry=[".whl"] if a Liger wheel was downloaded))
-# Budget (seconds, environment): GPU_CHECK_BUDGET (default 470) split as tests <= 190, ops <= 80, the rest models.
+# Budget (seconds, environment): GPU_CHECK_BUDGET (default 470) split as tests <= 190, ops <= 80, tp <= 40, the rest
+# models.
 # Exit status: 0 when every part finished and every GPU test passed, else 1 (the outputs are written either way).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -107,18 +109,19 @@ export GPU_TESTS_DEADLINE=$(($(date +%s) + tests_box - 30))
 part gpu_tests "$tests_box" "$PY" -m pytest -m gpu tests/ops/test_gpu_ops.py -q -rfE -p no:cacheprovider \
   --junitxml="$OUT/gpu_tests.xml" -o junit_family=xunit2 > >(tee "$OUT/gpu_tests.log") 2>&1
 part bench_ops "$(cap 80 150)" "$PY" bench/bench_ops.py --out "$OUT" "${QUICK[@]}"
-models_box=$(cap 400 25)
+models_box=$(cap 400 65)
 part bench_model "$models_box" "$PY" bench/bench_model.py --out "$OUT" --time-budget $((models_box - 40)) "${QUICK[@]}"
+part bench_tp "$(cap 40 20)" "$PY" bench/bench_tp.py --out "$OUT" "${QUICK[@]}"
 
 echo
 echo "================ gpu_check summary ($(( $(date +%s) - START )) s) ================"
-for name in gpu_tests bench_ops bench_model; do
+for name in gpu_tests bench_ops bench_model bench_tp; do
   printf '%-12s %s\n' "$name" "${STATUS[$name]:-not run}"
 done
 echo
 timeout 60 "$PY" bench/summarize.py --dir "$OUT" --write "$OUT/summary.md"
 RC=0
-for name in gpu_tests bench_ops bench_model; do
+for name in gpu_tests bench_ops bench_model bench_tp; do
   case "${STATUS[$name]:-}" in ok*) ;; *) RC=1 ;; esac
 done
 # Let tee write the last lines of gpu_check.log before the caller collects $OUT.

@@ -221,7 +221,7 @@ def test_gpu_check_dry_run(tmp_path):
     names = {p.name for p in tmp_path.iterdir()}
     assert names == {
         "gpu_check.log", "gpu_tests.log", "gpu_tests.xml", "bench_ops.json", "bench_ops.csv", "bench_model.json",
-        "bench_model.csv", "summary.md",
+        "bench_model.csv", "bench_tp.json", "bench_tp.csv", "summary.md",
     }  # fmt: skip
     tail = proc.stdout.strip().splitlines()[-12:]
     assert any("paper:" in line for line in tail), "the summary table must come last"
@@ -240,3 +240,16 @@ def test_bench_gemm_quick(tmp_path):
     assert all(r["invariant"] for r in rows if r["impl"].startswith("blocks")), rows
     assert ("capped" in impls) == run["settings"]["amx"]  # the oneDNN cap is measured where there is AMX to cap
     assert "| part" in out
+
+
+def test_bench_tp_quick(tmp_path):
+    """The TP-aligned row-parallel linear on one shape: each way timed forward and forward + backward, with memory."""
+    out = _run(["bench/bench_tp.py", "--quick", "--out", str(tmp_path)])
+    run = _last_run(tmp_path / "bench_tp.json")
+    impls = {r["impl"] for r in run["rows"]}
+    assert {"f_linear", "tp2"} <= impls and ("triton_tp2" in impls) == ON_GPU, impls
+    assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > r["fwd_ms"] * 0.5 and r["peak_mib"] >= 0 for r in run["rows"])
+    from trl_roundalign.gemm import cpu_kind
+
+    assert run["settings"]["cpu_kind"] == (None if ON_GPU else cpu_kind())
+    assert "| model" in out
