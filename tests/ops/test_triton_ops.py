@@ -545,6 +545,27 @@ def test_profiles_pick_their_kernel_arithmetic():
         assert N.arith_for("eager") == N.ARITH_EAGER
 
 
+def test_inductor_options_no_kernel_copies_are_refused(monkeypatch):
+    """Read in torch 2.13 and 2.14 (docs/stack.md, "GPU stacks"): `eager_numerics.use_pytorch_libdevice` swaps the
+    libdevice behind Inductor's exp/rsqrt, and torch 2.14's `numerics="strict"` sums CUDA reductions in eager's
+    INNER_TREE order; the compiled profiles' kernels copy neither, so both are refused. "default" is not."""
+    from trl_roundalign.ops.triton import _numerics as N
+
+    with torch._inductor.config.patch({"eager_numerics.use_pytorch_libdevice": True}):
+        with pytest.raises(RuntimeError, match="use_pytorch_libdevice") as err:
+            N.arith_for("inductor")
+        assert "trl-roundalign probe" in str(err.value) and "\n" not in str(err.value)
+        assert N.arith_for("eager") == N.ARITH_EAGER
+    real = N.inductor_option
+    for value, refused in (("strict", True), ("default", False)):
+        monkeypatch.setattr(N, "inductor_option", lambda name, v=value: v if name == "numerics" else real(name))
+        if refused:
+            with pytest.raises(RuntimeError, match="numerics is 'strict'"):
+                N.arith_for("inductor")
+        else:
+            assert N.arith_for("inductor") == N.ARITH_INDUCTOR
+
+
 _MISMATCH_SCRIPT = textwrap.dedent(
     """
     import os, torch

@@ -22,6 +22,8 @@ arithmetic (`ARITH` constexpr, `arith_for`): `sum / n` and `g / (1 + exp(-g))` a
 FMA contraction is allowed (`enable_fp_fusion=True`, Inductor's default unless `emulate_precision_casts`),
 `exp` and `rsqrt` are libdevice as in Inductor's `TritonOverrides`, and each expression keeps the
 operand order of vLLM's native code (`x1 * cos - x2 * sin`), since contraction depends on it.
+Read in torch 2.13 and again in torch 2.14 (docs/stack.md, "GPU stacks"): the same at Inductor's
+defaults; 2.14's new `numerics="strict"` (another sum order) is refused by `arith_for`.
 Under the interpreter every variant computes the CPU reference (numpy divides correctly rounded and
 never fuses), so the interpreter tests check the shared logic and the PTX tests check each variant's
 arithmetic.
@@ -81,7 +83,10 @@ def arith_for(gpu_kernels: str) -> int:
 
     For `"inductor"` the Inductor configuration of this process decides (a colocated engine compiles
     with it): division rounding on gives `ARITH_INDUCTOR_RN`. Options that change Inductor's numerics
-    in ways no kernel here copies (`emulate_precision_casts`, `use_fast_math`) raise instead.
+    in ways no kernel here copies raise instead: `emulate_precision_casts`, `use_fast_math`,
+    `eager_numerics.use_pytorch_libdevice` (exp/rsqrt from the CUDA toolkit's libdevice, not Triton's
+    bundled one; torch 2.13 and 2.14) and `numerics="strict"` (torch 2.14: eager's INNER_TREE order for
+    CUDA sums, `TORCHINDUCTOR_NUMERICS=strict`).
 
     Raises:
         RuntimeError: such an option is on; the message names it.
@@ -91,12 +96,13 @@ def arith_for(gpu_kernels: str) -> int:
         return ARITH_EAGER
     if gpu_kernels != "inductor":
         raise ValueError(f"gpu_kernels must be 'eager' or 'inductor', got {gpu_kernels!r}.")
-    for option in ("emulate_precision_casts", "use_fast_math"):
-        if inductor_option(option):
+    for option in ("emulate_precision_casts", "use_fast_math", "eager_numerics.use_pytorch_libdevice", "numerics"):
+        value = inductor_option(option)
+        if value and value != "default":  # `numerics` (torch 2.14) is "default" or "strict"
             raise RuntimeError(
-                f"torch._inductor.config.{option} is on: the compiled engine then rounds or computes in a way no "
-                "trl_roundalign kernel copies. Turn it off (TORCHINDUCTOR_EMULATE_PRECISION_CASTS=0) or run "
-                "`trl-roundalign probe` to see which profile matches the engine."
+                f"torch._inductor.config.{option} is {value!r}: the compiled engine then rounds or computes in a way "
+                "no trl_roundalign kernel copies. Turn it off (TORCHINDUCTOR_EMULATE_PRECISION_CASTS=0, "
+                "TORCHINDUCTOR_NUMERICS=default) or run `trl-roundalign probe` to see which profile matches the engine."
             )
     division_rn = inductor_option("eager_numerics.division_rounding") or inductor_option("emulate_divison_rounding")
     return ARITH_INDUCTOR_RN if division_rn else ARITH_INDUCTOR
