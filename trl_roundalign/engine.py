@@ -32,6 +32,7 @@ from ._compat import (
     reset_dispatched_block_rows,
     vllm_cpu_weight_sync_fix_applied,
 )
+from .gpu_stacks import gpu_read_note, gpu_read_versions, gpu_version_refusal
 
 logger = logging.getLogger(__name__)
 
@@ -449,9 +450,9 @@ KNOWN_TORCH = ("2.13", "2.11")
 MEASURE_UNKNOWN_VLLM = "ROUNDALIGN_MEASURE_UNKNOWN_VLLM"
 
 
-def known_vllm() -> tuple[str, ...]:
-    """`KNOWN_VLLM`, plus the versions `ROUNDALIGN_MEASURE_UNKNOWN_VLLM` names for a measurement run."""
-    return KNOWN_VLLM + tuple(v.strip() for v in os.environ.get(MEASURE_UNKNOWN_VLLM, "").split(",") if v.strip())
+def known_vllm(platform: str = "cpu") -> tuple[str, ...]:
+    """`KNOWN_VLLM`, the versions read for `platform` (`gpu_stacks`), the ones `ROUNDALIGN_MEASURE_UNKNOWN_VLLM` names."""
+    return KNOWN_VLLM + gpu_read_versions("vllm", platform) + tuple(v.strip() for v in os.environ.get(MEASURE_UNKNOWN_VLLM, "").split(",") if v.strip())
 
 
 def _minor(version: str) -> str:
@@ -487,9 +488,11 @@ def profile_for_engine(info: EngineInfo, *, tensor_parallel: bool = False) -> st
             "same engine settings and pass the profile it reports as roundalign_profile (or --profile)."
         )
 
-    if _minor(info.vllm_version) not in known_vllm():
-        refuse(f"vLLM version is {info.vllm_version} (measured: {', '.join(KNOWN_VLLM)})")
-    if _minor(info.vllm_version) not in KNOWN_VLLM:
+    if _minor(info.vllm_version) not in known_vllm(info.platform):
+        refuse(f"vLLM version is {info.vllm_version} (measured: {', '.join(KNOWN_VLLM)}{gpu_read_note('vllm', info.platform)})")
+    if why := gpu_version_refusal(info):  # a CUDA release read for some engine kinds only
+        refuse(why)
+    if _minor(info.vllm_version) not in KNOWN_VLLM + gpu_read_versions("vllm", info.platform):
         logger.warning("vLLM %s admitted by %s for a measurement run only: it is not measured.", info.vllm_version,
                        MEASURE_UNKNOWN_VLLM)
     if info.tensor_parallel_size != 1:  # row-parallel linears sum the shards' partial products (trl_roundalign.tp)
@@ -505,9 +508,9 @@ def profile_for_engine(info: EngineInfo, *, tensor_parallel: bool = False) -> st
         if library in EAGER_CPU_PROFILES:
             return EAGER_CPU_PROFILES[library]
         refuse(f"eager kernels come from vLLM-CPU's {library} library (measured: {', '.join(EAGER_CPU_PROFILES)})")
-    if info.torch_version and _minor(info.torch_version) not in KNOWN_TORCH:
+    if info.torch_version and _minor(info.torch_version) not in KNOWN_TORCH + gpu_read_versions("torch", info.platform):
         # Inductor's handling of explicit casts inside fused regions changed across 2026 torch releases.
-        refuse(f"torch is {info.torch_version} (Inductor numerics measured with torch {', '.join(KNOWN_TORCH)})")
+        refuse(f"torch is {info.torch_version} (Inductor numerics measured with torch {', '.join(KNOWN_TORCH)}{gpu_read_note('torch', info.platform)})")
     on = [op for op in info.custom_ops if op.lstrip("+") in _REGION_CUSTOM_OPS and not op.startswith("-")]
     if "all" in info.custom_ops or on:
         refuse(f"compiled graph runs custom ops {info.custom_ops}")
