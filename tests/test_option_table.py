@@ -27,10 +27,6 @@ NODE_ID = re.compile(r"(tests/[\w/]+\.py)::(\w+)(?:\[([^\]\s`]+)\])?")
 AWAITING_A_TEST = {
     "vllm_enable_sleep_mode": "the GPU path (the engine woken for the start-up check)",
     "max_tool_calling_iterations": "training with tools (tool_mask)",
-    "model_init_kwargs": "keys other than dtype/use_kernels/quantization_config (attn_implementation, ...)",
-    "fp16": "training a float16 policy with a float16 engine",
-    "fsdp": "FSDP set through TrainingArguments.fsdp/fsdp_config",
-    "deepspeed": "a DeepSpeed config through TrainingArguments.deepspeed; ZeRO-2",
 }
 
 

@@ -213,6 +213,13 @@ def _check_training_forward(config, args) -> None:
             "the engine does not. Set tf32=False (or leave it unset)."
         )
     init = args.model_init_kwargs or {}
+    attn = init.get("attn_implementation") or getattr(config, "_attn_implementation_internal", None)
+    if "attention" in args.roundalign_regions and attn not in (None, "eager", "sdpa"):
+        # Exact mode's attention reads the tensor mask transformers builds for eager/sdpa (tested with both).
+        raise ValueError(
+            f"attn_implementation={attn!r} with the exact mode (region 'attention'): the engine's attention kernel "
+            "reads the tensor mask transformers builds for 'sdpa' or 'eager'. Load with attn_implementation='sdpa'."
+        )
     if init.get("quantization_config") is not None or getattr(config, "quantization_config", None) is not None:
         raise ValueError(
             "A quantized policy (quantization_config) computes its linears in another precision than the engine's "

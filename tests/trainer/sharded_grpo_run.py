@@ -33,20 +33,38 @@ sys.path.insert(0, os.path.dirname(__file__))
 from trainer_helpers import make_config, varied_reward  # noqa: E402
 
 out, phase = sys.argv[1], sys.argv[2]
-zero3 = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
 rank = int(os.environ.get("RANK", 0))
+# Where the sharding comes from: the launcher's config (`launcher`, the default), or the trainer's own arguments, as
+# a script that sets them in GRPOConfig does: `fsdp-args` (TrainingArguments.fsdp/fsdp_config, FSDP2), `zero2-args` /
+# `zero3-args` (TrainingArguments.deepspeed, a DeepSpeed config dict).
+source = os.environ.get("ROUNDALIGN_TEST_SHARDING", "launcher")
+sharding = {
+    "launcher": {},
+    "fsdp-args": {"fsdp": "full_shard", "fsdp_config": {"version": 2, "transformer_layer_cls_to_wrap": ["Qwen3DecoderLayer"],
+                                                         "state_dict_type": "SHARDED_STATE_DICT"}},
+}.get(source)
+if sharding is None:
+    stage = int(source.removeprefix("zero").removesuffix("-args"))
+    sharding = {"deepspeed": {"zero_optimization": {"stage": stage}, "bf16": {"enabled": "auto"},
+                              "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                              "gradient_clipping": "auto", "train_batch_size": "auto"}}
 args = make_config(
     out, max_steps=3, gradient_accumulation_steps=2, learning_rate=1e-5, vllm_gpu_memory_utilization=0.2,
-    save_strategy="steps", save_steps=2, save_only_model=False,
+    save_strategy="steps", save_steps=2, save_only_model=False, **sharding,
 )  # fmt: skip
 trainer = RoundAlignGRPOTrainer(
     model=str(tiny_model("qwen3")), reward_funcs=varied_reward, args=args, train_dataset=arithmetic_dataset("train[:32]")
 )
+ds_plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
+zero_stage = ds_plugin.zero_stage if ds_plugin is not None else None
+zero3 = zero_stage == 3
+sharded_parameters = zero3 or bool(getattr(trainer.accelerator.state, "is_fsdp2", False))
 llm = trainer.vllm_generation.llm
 sequences = verification_sequences(llm.get_tokenizer())
 state = trainer.accelerator.state
 setup = {
     "distributed_type": str(state.distributed_type),
+    "zero_stage": zero_stage,
     "is_fsdp2": bool(getattr(state, "is_fsdp2", False)),
     "mixed_precision": str(trainer.accelerator.mixed_precision),
     "policy": repr(getattr(getattr(state, "fsdp_plugin", None), "mixed_precision_policy", None)),
@@ -63,6 +81,9 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 def full(name: str, parts: list[torch.Tensor], shape) -> torch.Tensor:
+    if not sharded_parameters:  # ZeRO-1/2: every rank holds the whole parameter (its optimizer state is partitioned)
+        assert all(torch.equal(p, parts[0]) for p in parts), name
+        return parts[0]
     if zero3:
         n = int(torch.Size(shape).numel())
         return torch.cat([p.reshape(-1) for p in parts])[:n].view(shape)
@@ -87,6 +108,7 @@ def sync_weights():
             "model_class": type(model).__name__,
             "dtypes": sorted({str(p.dtype) for p in model.parameters()}),
             "sharded": all(isinstance(p, DTensor) or hasattr(p, "ds_tensor") for p in model.parameters()),
+            "sharded_parameters": sharded_parameters,
             "shapes": shapes(model),
             "shards": {n: local(p) for n, p in model.named_parameters()},
             "names": {n: vg._fix_param_name_to_vllm(n) for n, _ in model.named_parameters()},
@@ -118,12 +140,14 @@ class Probe(TrainerCallback):
     def on_pre_optimizer_step(self, a, s, c, **kw):
         opt = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
         params = [p for g in opt.param_groups for p in g["params"]]
-        if zero3:  # the optimizer's params are DeepSpeed's fp32 flat partitions; the gradients live inside it
-            flat = torch.cat([f.detach().reshape(-1) for f in opt.fp32_partitioned_groups_flat])  # DeepSpeed's masters
+        if zero_stage is not None:  # the optimizer's params are DeepSpeed's fp32 flat partitions; the gradients live inside it
+            # DeepSpeed's masters: ZeRO-3's partitioned flat groups, ZeRO-1/2's single partition per group.
+            masters = opt.fp32_partitioned_groups_flat if zero3 else opt.single_partition_of_fp32_groups
+            flat = torch.cat([f.detach().reshape(-1) for f in masters])
             steps.append(
                 {
                     "step": s.global_step + 1,
-                    "master_dtypes": sorted({str(f.dtype) for f in opt.fp32_partitioned_groups_flat}),
+                    "master_dtypes": sorted({str(f.dtype) for f in masters}),
                     "master_entries": flat.numel(),
                     "master_not_bf16": int((flat != flat.bfloat16().float()).sum()),
                 }

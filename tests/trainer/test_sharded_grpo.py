@@ -38,12 +38,15 @@ SHIM = Path(__file__).with_name("fsdp_cpu_shim")
 ACCUMULATION = 2  # micro-batches per optimizer step and rank (sharded_grpo_run.py)
 
 
-def _launch(out: Path, config: str, phase: str, port: int, **extra: str) -> list[dict]:
+def _launch(out: Path, config: str | None, phase: str, port: int, **extra: str) -> list[dict]:
+    """`accelerate launch` with one of the package's configs; `config=None`: a plain two-process launch (what a user
+    whose script sets fsdp/deepspeed in the trainer's arguments runs)."""
     script = Path(__file__).with_name("sharded_grpo_run.py")
     path = os.pathsep.join(p for p in (str(SHIM), os.environ.get("PYTHONPATH", "")) if p)
     env = subprocess_env(ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", PYTHONPATH=path, **extra)
+    where = ["--config_file", str(ROOT / "recipes" / "accelerate_configs" / config)] if config else ["--multi_gpu", "--num_machines", "1"]
     cmd = [
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "recipes" / "accelerate_configs" / config),
+        sys.executable, "-m", "accelerate.commands.launch", *where,
         "--num_processes", "2", "--main_process_port", str(port), str(script), str(out), phase,
     ]  # fmt: skip
     if config == "fsdp2.yaml":
@@ -59,12 +62,13 @@ def _equal_lists(a, b) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-def _check_sync(ranks: list[dict]) -> None:
-    """The engines follow the sharded policy: after each sync they score as with the by-hand rebuilt weights."""
+def _check_sync(ranks: list[dict], *, sharded: bool = True) -> None:
+    """The engines follow the sharded policy: after each sync they score as with the by-hand rebuilt weights.
+    `sharded=False` (ZeRO-1/2): every rank holds whole parameters, equal on both ranks."""
     for r in ranks:
         assert len(r["syncs"]) == 3 and [s["step"] for s in r["syncs"]] == [0, 1, 2]
         for k, s in enumerate(r["syncs"]):
-            assert s["sharded"], "every parameter must be a shard (DTensor / ZeRO-3 partition)"
+            assert s["sharded"] == sharded, "every parameter must be a shard (DTensor / ZeRO-3 partition), or none"
             assert _equal_lists(s["engine_logps"], r["rebuilt_engine_logps"][k]), f"sync {k}: engine != rebuilt weights"
         start = r["setup"]["engine_logps_start"]
         assert _equal_lists(r["syncs"][0]["engine_logps"], start), "syncing the unchanged policy must not move the engine"
@@ -73,7 +77,7 @@ def _check_sync(ranks: list[dict]) -> None:
     shapes = ranks[0]["setup"]["full_shapes"]
     local = sum(t.numel() for t in ranks[0]["syncs"][0]["shards"].values())
     total = sum(int(torch.Size(s).numel()) for s in shapes.values())
-    assert local < total, (local, total)  # rank 0 holds a shard, not the model
+    assert (local < total) == sharded, (local, total)  # rank 0 holds a shard, not the model (ZeRO-1/2: the model)
     for a, b in zip(ranks[0]["syncs"], ranks[1]["syncs"]):
         assert _equal_lists(a["engine_logps"], b["engine_logps"]), "both engines must hold the same weights"
 
@@ -231,3 +235,51 @@ def test_bf16_parameters_under_fsdp2_or_zero3_without_mixed_precision_are_refuse
     # without bf16), which the patching refuses first; both lines say to train with bf16=True.
     says = "round away. Train with mixed precision: bf16=True" if config == "fsdp2.yaml" else "train with bf16=True"
     assert all(says in ln for ln in refused), refused
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.full  # two launches of about a minute each per source
+@pytest.mark.parametrize("source", ["fsdp-args", "zero2-args"])
+def test_sharding_set_in_the_trainer_arguments_trains_aligned(tmp_path, source):
+    """FSDP2 through `TrainingArguments.fsdp`/`fsdp_config` and ZeRO-2 through `TrainingArguments.deepspeed` (a config
+    dict), launched as plain two-process data parallelism: transformers builds the plugin and hands it to accelerate.
+    The same checks as the launcher-config runs: the policy replaced inside accelerate's preparation (FSDP2), the
+    package's masters stepping aside for the sharding's fp32 copies, the engines following each sync, the metrics
+    over the union of tokens, and resume bit for bit."""
+    extra = {"ROUNDALIGN_SHIM": "1", "ROUNDALIGN_TEST_SHARDING": source}
+    if source.startswith("zero"):
+        extra.update(DS_ACCELERATOR="cpu", ROUNDALIGN_SHIM_DS="1")
+    train = _launch(tmp_path, None, "train", _free_port(), **extra)
+    for r in train:
+        setup = r["setup"]
+        assert r["run_info"]["verification"]["verdict"] == "ok"
+        assert not r["uses_package_masters"] and r["run_info"]["fp32_master_weights"] is False
+        if source == "fsdp-args":
+            assert setup["distributed_type"] == "DistributedType.FSDP" and setup["is_fsdp2"]
+            assert setup["mixed_precision"] == "bf16" and "SHARDED_STATE_DICT" in setup["state_dict_type"]
+            assert setup["policy"] == (
+                "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=None, "
+                "cast_forward_inputs=False)"
+            )
+            assert all(s["dtypes"] == ["torch.float32"] for s in r["syncs"])
+            assert all(s["param_dtypes"] == s["grad_dtypes"] == ["torch.float32"] for s in r["steps"][1:])
+        else:
+            assert setup["distributed_type"] == "DistributedType.DEEPSPEED" and setup["zero_stage"] == 2
+            assert r["steps"][0]["optimizer"] == "DeepSpeedZeroOptimizer"
+            assert setup["model_dtypes"] == ["torch.bfloat16"] and all(s["dtypes"] == ["torch.bfloat16"] for s in r["syncs"])
+            masters = r["steps"][1:]
+            assert all(s["master_dtypes"] == ["torch.float32"] for s in masters)
+            print("ZeRO-2 fp32 master entries not representable in bf16 after steps 1-3:",
+                  [(s["master_not_bf16"], s["master_entries"]) for s in masters])
+            assert all(s["master_not_bf16"] > s["master_entries"] // 2 for s in masters)
+    _check_sync(train, sharded=source != "zero2-args")
+    _check_metrics(train)
+    resumed = _launch(tmp_path, None, "resume", _free_port(), **extra)
+    _check_resume(train, resumed)

@@ -46,6 +46,18 @@ OPTIONS = {
     "cast-lm-head-to-fp32": ({"cast_lm_head_to_fp32": True}, True),
     "optim-adamw-torch": ({"optim": "adamw_torch"}, True),
     "positions-from-mask-off": ({"roundalign_positions_from_mask": False}, True),
+    # model_init_kwargs beyond dtype: transformers' eager attention (an additive float mask) under the three regions,
+    # and under the exact mode, whose attention kernel reads that mask instead of sdpa's boolean one.
+    # A float16 policy with a float16 engine (fp16=True: autocast in fp16, a GradScaler, the fp32 masters).
+    "fp16-policy": (
+        {"fp16": True, "bf16": False, "model_init_kwargs": {"dtype": "float16"}, "vllm_engine_kwargs": {"dtype": "float16"}},
+        True,
+    ),
+    "attn-eager": ({"model_init_kwargs": {"dtype": "bfloat16", "attn_implementation": "eager"}}, True),
+    "attn-eager-exact": (
+        {"model_init_kwargs": {"dtype": "bfloat16", "attn_implementation": "eager"},
+         "roundalign_regions": ["rope", "swiglu", "rmsnorm", "attention"]}, False,
+    ),
 }
 
 
@@ -64,6 +76,17 @@ def test_the_option_trains_aligned_with_the_metrics_logged(tmp_path, options, cl
         )
     )
     assert trainer.roundalign_verification is not None and trainer.roundalign_verification.verdict == "ok"
+    if options.get("fp16"):
+        import torch
+
+        assert trainer.vllm_generation.llm.llm_engine.model_config.dtype == torch.float16
+        assert {p.dtype for p in trainer.model.parameters()} == {torch.float16}
+    if "attn_implementation" in options.get("model_init_kwargs", {}):
+        assert trainer.model.config._attn_implementation == options["model_init_kwargs"]["attn_implementation"]
+    if "attention" in options.get("roundalign_regions", []):
+        # The start-up check scored the engine's sequences bit for bit under the eager mask.
+        v = trainer.roundalign_verification
+        assert next(c for c in v.candidates if c.profile == v.chosen).frac_bitwise_equal == 1.0, v
     trainer.train()
     steps = [h for h in trainer.state.log_history if "loss" in h]
     logs = [h for h in steps if "mismatch/kl_k3" in h]

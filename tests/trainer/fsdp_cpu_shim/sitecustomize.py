@@ -21,6 +21,11 @@ is `... and not cpu`, and `PartialState` only initialises DeepSpeed's communicat
 DEEPSPEED with the plugin selected, as accelerate does on GPUs. DeepSpeed itself must then run on CPU
 (`DS_ACCELERATOR=cpu`).
 
+The same holds when the plugin comes from the trainer's own arguments instead of the launcher's environment
+(`TrainingArguments.fsdp`/`fsdp_config`: transformers passes `fsdp_plugin` to `Accelerator`; `TrainingArguments.deepspeed`:
+`deepspeed_plugin`): with `ROUNDALIGN_SHIM=1` the wrap is installed and a plugin argument selects the branch, as it
+does in accelerate's own test of the GPU-class types.
+
 The wrap is installed by an import hook, so a process that never imports accelerate (the launcher's own children
 that do not train) pays nothing, and nothing changes in a process without those variables.
 """
@@ -32,8 +37,13 @@ import importlib.machinery
 import os
 import sys
 
-_FSDP = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
-_DS = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" and os.environ.get("ROUNDALIGN_SHIM_DS") == "1"
+def _env(name: str) -> bool:
+    return os.environ.get(name, "false").lower() in ("true", "1")
+
+
+_ARGS = os.environ.get("ROUNDALIGN_SHIM") == "1"  # plugins from TrainingArguments (fsdp / deepspeed)
+_FSDP = _env("ACCELERATE_USE_FSDP")
+_DS = os.environ.get("ROUNDALIGN_SHIM_DS") == "1" and (_ARGS or _env("ACCELERATE_USE_DEEPSPEED"))
 
 
 def _patch(state) -> None:
@@ -50,13 +60,16 @@ def _patch(state) -> None:
             return
         bound = signature.bind(self, *args, **kwargs)
         bound.apply_defaults()
-        if _FSDP:
+        # Read when accelerate reads them: transformers sets ACCELERATE_USE_DEEPSPEED for the state it builds itself.
+        fsdp = _env("ACCELERATE_USE_FSDP") or (_ARGS and bound.arguments["fsdp_plugin"] is not None)
+        ds = _DS and (_env("ACCELERATE_USE_DEEPSPEED") or bound.arguments["deepspeed_plugin"] is not None)
+        if fsdp:
             fsdp_plugin = bound.arguments["fsdp_plugin"]
             self.distributed_type = DistributedType.FSDP
             if self._mixed_precision != "no" and fsdp_plugin is not None:
                 fsdp_plugin.set_mixed_precision(self._mixed_precision)
             self.fsdp_plugin = fsdp_plugin
-        elif _DS:
+        elif ds:
             plugin = bound.arguments["deepspeed_plugin"]
             mixed_precision = self._mixed_precision  # accelerate's resolved value (argument, else environment)
             self.distributed_type = DistributedType.DEEPSPEED
@@ -91,5 +104,5 @@ class _Hook(importlib.abc.MetaPathFinder):
         return spec
 
 
-if _FSDP or _DS:
+if _FSDP or _DS or _ARGS:
     sys.meta_path.insert(0, _Hook())
