@@ -86,3 +86,26 @@ def test_profile_for_engine_accepts_the_custom_all_reduce_only_as_read_not_run(c
     # Still only with the TP form computed by the trainer.
     with pytest.raises(UnknownEngineConfiguration, match="unsharded matmul"):
         profile_for_engine(info)
+
+
+def test_read_cuda_all_reduce_takes_the_layout_from_the_config_and_environment(monkeypatch):
+    from types import SimpleNamespace
+
+    import torch
+
+    from trl_roundalign.tp import read_cuda_all_reduce
+
+    cfg = SimpleNamespace(
+        compilation_config=SimpleNamespace(pass_config=SimpleNamespace(fuse_allreduce_rms=False, enable_sp=False,
+                                                                       fuse_gemm_comms=False)),
+        parallel_config=SimpleNamespace(tensor_parallel_size=2, disable_custom_all_reduce=False),
+        model_config=SimpleNamespace(dtype=torch.bfloat16, get_hidden_size=lambda: 1536),
+        scheduler_config=SimpleNamespace(max_num_batched_tokens=512),
+    )
+    monkeypatch.setenv("VLLM_ALLREDUCE_USE_FLASHINFER", "0")
+    layout = read_cuda_all_reduce(SimpleNamespace(llm_engine=SimpleNamespace(vllm_config=cfg)), capability="9.0",
+                                  flashinfer=True)
+    assert set(layout) == set(A100_TP2) and layout["use_flashinfer"] is False and layout["hidden"] == 1536
+    assert cuda_all_reduce_transport(layout)[0] == "custom_all_reduce_1stage"
+    monkeypatch.delenv("VLLM_ALLREDUCE_USE_FLASHINFER")
+    assert cuda_all_reduce_transport(read_cuda_all_reduce(cfg, capability="9.0", flashinfer=True))[0] is None
