@@ -26,7 +26,6 @@ NODE_ID = re.compile(r"(tests/[\w/]+\.py)::(\w+)(?:\[([^\]\s`]+)\])?")
 # entry says what is missing; the row on the page says the same in words.
 AWAITING_A_TEST = {
     "vllm_enable_sleep_mode": "the GPU path (the engine woken for the start-up check)",
-    "max_tool_calling_iterations": "training with tools (tool_mask)",
 }
 
 

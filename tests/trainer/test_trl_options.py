@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 import pytest
 from trainer_helpers import make_config, varied_reward  # tests/trainer is on sys.path
 
@@ -77,8 +79,6 @@ def test_the_option_trains_aligned_with_the_metrics_logged(tmp_path, options, cl
     )
     assert trainer.roundalign_verification is not None and trainer.roundalign_verification.verdict == "ok"
     if options.get("fp16"):
-        import torch
-
         assert trainer.vllm_generation.llm.llm_engine.model_config.dtype == torch.float16
         assert {p.dtype for p in trainer.model.parameters()} == {torch.float16}
     if "attn_implementation" in options.get("model_init_kwargs", {}):
@@ -115,4 +115,66 @@ def test_the_option_trains_aligned_with_the_metrics_logged(tmp_path, options, cl
         assert all(h["mismatch/frac_outside_clip"] == 0.0 for h in logs)  # no ratio near 5 on aligned rollouts
     if options.get("vllm_importance_sampling_correction"):
         assert any(k.startswith("sampling/") for k in logs[0]), sorted(logs[0])
+    trainer.close()
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+    """
+    return a + b
+
+
+@pytest.mark.full
+def test_tool_calls_leave_the_tool_results_out_of_the_mismatch(tmp_path, closing):
+    """Multi-turn generation with a tool (TRL's `tools=`, `max_tool_calling_iterations`): the tool's result tokens are
+    inserted into the completion, not sampled by vLLM, and must not be compared with vLLM's log-probs.
+
+    The offline tiny Qwen3 gets TRL's Qwen3 chat template (so TRL accepts it for tools and parses its tool calls), and
+    a structured-output regex makes every completion a call of `add`: a random model would never emit one. The regex
+    also makes vLLM report log-probs after its grammar mask (TRL asks for processed log-probs), so this test asserts
+    the masking, not the size of the mismatch (the package warns about structured outputs for that reason)."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl.chat_template_utils import qwen3_chat_template
+
+    path = str(tiny_model("qwen3"))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.chat_template = qwen3_chat_template
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": f"What is {i} + 2?"}]} for i in range(8)])
+    call = r'<tool_call>\n\{"name": "add", "arguments": \{"a": 1, "b": 2\}\}\n</tool_call>'
+    args = make_config(tmp_path, max_steps=2, max_completion_length=128, vllm_max_model_length=1024,
+                       vllm_structured_outputs_regex=call, max_tool_calling_iterations=1)  # fmt: skip
+    with pytest.warns(UserWarning, match="vllm_structured_outputs_regex"):
+        trainer = closing(RoundAlignGRPOTrainer(model=path, reward_funcs=varied_reward, args=args,
+                                                train_dataset=dataset, processing_class=tokenizer, tools=[add]))  # fmt: skip
+    generated, recorded = [], []
+    generate, record = trainer._generate_and_score_completions, trainer._mismatch_callback.record
+
+    def generate_and_keep(*a, **k):
+        out = generate(*a, **k)
+        generated.append({key: out[key].clone() for key in ("completion_mask", "tool_mask")})
+        return out
+
+    def record_and_keep(train_logps, sampling_logps, mask):
+        recorded.append(mask.clone())
+        record(train_logps, sampling_logps, mask)
+
+    trainer._generate_and_score_completions = generate_and_keep
+    trainer._mismatch_callback.record = record_and_keep
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "mismatch/kl_k3" in h]
+    assert [h["step"] for h in logs] == [1, 2] and all(h["tools/call_frequency"] > 0 for h in logs), logs
+    assert len(generated) == len(recorded) == 2
+    for gen, mask, log in zip(generated, recorded, logs):
+        tool_tokens = int(((gen["tool_mask"] == 0) & (gen["completion_mask"] == 1)).sum())
+        assert tool_tokens > 0, "no tool result was inserted"
+        # The recorded mask is the completion mask with the tool results taken out, and the logged count is its sum.
+        # TRL shuffles the generated rows before the loss: compare the rows as a multiset.
+        rows = sorted(tuple(r) for r in mask.bool().tolist())
+        assert rows == sorted(tuple(r) for r in (gen["completion_mask"] * gen["tool_mask"]).bool().tolist())
+        assert log["mismatch/tokens"] == int(mask.sum()) == int(gen["completion_mask"].sum()) - tool_tokens
     trainer.close()
