@@ -462,22 +462,25 @@ def test_row_parallel_bitwise_on_exact_products(tp, n, k):
     assert (got != F.linear(x, w, b)).float().mean() > 0.01, "the inputs cannot tell the sharded sum from F.linear"
 
 
-# Random inputs: the kernel's partials accumulate in tl.dot's order, cuBLAS's in its own, so a partial can round
-# the other way near a tie. Bound (not measured on a GPU yet): 1e-3 of the outputs, each within 2 bf16 ulps.
-ROW_PARALLEL_FLIP_RATE = 1e-3
-
-
+# Random inputs: the kernel's partials accumulate in tl.dot's order, cuBLAS's in its own, so a partial may round the
+# other way near a tie; how often is measured here and printed (gpu_check.sh keeps the log), not bounded before a GPU
+# has run it. What is asserted bit for bit is the structure: the TP=2 output is the fp32 sum, in rank order and
+# rounded once, of the bf16 partials the same kernel computes over each K slice alone (fixed blocks: the same loop).
 @pytest.mark.parametrize(("n", "k"), ROW_PARALLEL_SHAPES)
-def test_row_parallel_random_inputs_within_gemm_order_flips(n, k):
+def test_row_parallel_random_inputs_sum_the_kernels_own_partials(n, k):
     from trl_roundalign.ops.triton.row_parallel import row_parallel_linear_triton
 
     x, w = _randn((2048, k), BF16, 103), _randn((n, k), BF16, 104, k ** -0.5)
-    got, want = row_parallel_linear_triton(x, w, None, 2), _tp_reference(x, w, None, 2)
+    got = row_parallel_linear_triton(x, w, None, 2)
+    h = k // 2
+    parts = [row_parallel_linear_triton(x[:, r * h:(r + 1) * h].contiguous(), w[:, r * h:(r + 1) * h].contiguous(), None, 1)
+             for r in range(2)]  # fmt: skip
+    assert_bitwise_equal(got, (parts[0].float() + parts[1].float()).to(BF16), label=f"row-parallel {n}x{k} TP=2 vs its partials")
+    want = _tp_reference(x, w, None, 2)
     differ = got != want
-    rate = float(differ.float().mean())
     ulps = ((got.view(torch.int16).int() - want.view(torch.int16).int()).abs())[differ]
-    print(f"row-parallel {n}x{k} TP=2: {rate:.2e} of outputs differ from cuBLAS partials, ulps {ulps.tolist()[:20]}")
-    assert rate <= ROW_PARALLEL_FLIP_RATE and (ulps <= 2).all(), (rate, ulps.max() if ulps.numel() else 0)
+    print(f"row-parallel {n}x{k} TP=2: {float(differ.float().mean()):.2e} of outputs differ from cuBLAS partials, "
+          f"max {int(ulps.max()) if ulps.numel() else 0} ulps (measured, not asserted)")
 
 
 def test_row_parallel_backward_is_the_gemm_gradient():
