@@ -52,7 +52,7 @@ def test_the_plain_recipe_is_accepted_without_a_word(tmp_path, qwen3):
         ({"use_liger_kernel": True}, "use_liger_kernel=True"),
         ({"model_init_kwargs": {"use_kernels": True, "dtype": "bfloat16"}}, "use_kernels"),
         ({"use_vllm": False}, "set use_vllm=True"),
-        ({"vllm_tensor_parallel_size": 2}, "Set vllm_tensor_parallel_size=1"),
+        ({"vllm_tensor_parallel_size": 4}, "Set vllm_tensor_parallel_size=1"),
         ({"vllm_engine_kwargs": {"model_impl": "transformers"}}, "Set vllm_model_impl='vllm'"),
         ({"generation_kwargs": {"prompt_logprobs": 1}}, "Remove 'prompt_logprobs' from generation_kwargs"),
         ({"generation_kwargs": {"logprobs_mode": "raw_logprobs"}}, "Remove 'logprobs_mode' from generation_kwargs"),

@@ -154,10 +154,14 @@ def check_options(model, args) -> None:
     if args.roundalign_regions:
         _check_training_forward(config, args)
     tp = int(getattr(args, "vllm_tensor_parallel_size", 1) or 1)
-    if args.use_vllm and args.roundalign_regions and args.vllm_mode == "colocate" and tp != 1:
+    from ._compat import is_vllm_cpu
+
+    if args.use_vllm and args.roundalign_regions and args.vllm_mode == "colocate" and tp != 1 and (tp != 2 or not is_vllm_cpu()):
+        # TP=2 on vLLM-CPU: the trainer computes the TP form; the engine's layout is checked once it is built
+        # (engine.profile_for_engine, tp.tp_refusal: the one-graph engine with the _C library).
         raise ValueError(
             f"vllm_tensor_parallel_size={tp}: the engine's row-parallel linears would sum {tp} shards' partial products, "
-            "an order no profile measures (docs/options.md). Set vllm_tensor_parallel_size=1, or "
+            "an order measured only for TP=2 on vLLM-CPU (docs/options.md). Set vllm_tensor_parallel_size=1, or "
             "roundalign_regions=[] to train without alignment."
         )
     if args.use_vllm:

@@ -200,7 +200,7 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
             # vLLM's CUDA default, asked for explicitly; on vLLM-CPU it needs the compat shim and compile_sizes=[].
             engine_kwargs["compilation_config"] = piecewise_compilation_config(engine_kwargs["compilation_config"])
         self._roundalign_gemm_rows, self._roundalign_gemm_report = 0, None
-        self._roundalign_tp = 1  # a TP > 1 server's row-parallel sums, read from it (verify_server.server_tp)
+        self._roundalign_tp = 1  # a TP > 1 engine's row-parallel sums, read from it (colocate; verify_server.server_tp)
         if colocate:
             apply_vllm_cpu_weight_sync_fix()
             if is_vllm_cpu():
@@ -249,6 +249,8 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
                     llm._roundalign_gemm_block_rows = engine_rows
                 record_inductor_dir(llm)
                 self.roundalign_engine = engine_info(llm)
+                if args.roundalign_regions:  # TP > 1 (one rank per training process): the policy sums as the ranks do
+                    self._roundalign_tp = int(self.roundalign_engine.tensor_parallel_size or 1)
             self._roundalign_sampler_logprobs = False
             if args.roundalign_regions:
                 why_not = logprobs_supports(self.model)
@@ -335,7 +337,8 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
                     f"(the server's profile is {profile!r})."
                 )
             return profile
-        profile = profile_for_engine(self.roundalign_engine)
+        # A TP > 1 engine passes where its layout is measured; the trainer then computes the TP form (_install_patches).
+        profile = profile_for_engine(self.roundalign_engine, tensor_parallel=self._roundalign_tp > 1)
         if wants_exact:
             if not self.roundalign_engine.compiled or self.roundalign_engine.platform != "cpu":
                 raise ValueError(
