@@ -81,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
         "checked against the engine's log-probs): per_layer.csv and per_layer.png.",
     )
     _engine_args(a)
+    a.add_argument(
+        "--tensor-parallel-size", type=int, default=1,
+        help="Engine tensor parallelism (vLLM-CPU: one process and one core per rank); the aligned conditions compute "
+        "the row-parallel linears as its ranks sum them, and the exact mode without that form is added as a condition.",
+    )
 
     p = sub.add_parser(
         "probe",

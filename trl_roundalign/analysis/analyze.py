@@ -198,7 +198,8 @@ def analyze(
         llm = build_llm(model_path, seed=seed, **(engine_kwargs or {}))
     try:
         info = run.info if run is not None else engine_info(llm)
-        resolved = profile_for_engine(info) if profile == "auto" else get_profile(profile).name
+        tp = int(info.tensor_parallel_size or 1)  # > 1: every aligned condition computes the TP form (tp.py)
+        resolved = profile_for_engine(info, tensor_parallel=True) if profile == "auto" else get_profile(profile).name
         if exact == "auto":
             use_exact = no_exact is None and info.compiled and info.platform == "cpu" and resolved in (
                 "vllm-compiled", "vllm-compiled-piecewise"
@@ -211,7 +212,7 @@ def analyze(
                 f"operation), which this engine has none of ({info.platform}, compile mode {info.compile_mode}, profile "
                 f"{resolved}; exact {exact}): use vLLM-CPU in its default compiled mode and --exact auto."
             )
-        conds = build_conditions(conditions, resolved, exact=use_exact)
+        conds = build_conditions(conditions, resolved, exact=use_exact, tensor_parallel=tp)
         if run is None:
             prompt_ids = tokenize_prompts(rows, llm.get_tokenizer())
         comp = compare_with_engine(
@@ -445,6 +446,17 @@ def run_analyze_cli(args) -> int:
         args.enforce_eager, args.max_model_len, args.gpu_memory_utilization, args.custom_ops, args.piecewise
     )
     kw["use_tqdm_on_load"] = bool(getattr(args, "verbose", False))  # the weight-loading bar: --verbose only
+    tp = int(getattr(args, "tensor_parallel_size", 1) or 1)
+    if tp < 1:
+        raise ValueError(f"--tensor-parallel-size must be at least 1, got {tp}.")
+    if tp > 1:
+        # vLLM-CPU runs each rank in its own worker process; one core each unless the binding is set.
+        kw.update(tensor_parallel_size=tp, distributed_executor_backend="mp")
+        from .._compat import is_vllm_cpu
+        from ..tp import cpu_threads_bind
+
+        if is_vllm_cpu() and not os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "").strip():
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(tp)
     summary = analyze(
         args.model,
         prompts=args.prompts,

@@ -46,6 +46,7 @@ def score_conditions(
     progress: bool = False,
     engine_max_model_len: int | None = None,
     gemm_block_rows: int = 0,
+    tensor_parallel: int = 1,
 ) -> dict[str, list[torch.Tensor]]:
     """Score every sample's tokens with the Hugging Face model under each condition.
 
@@ -64,7 +65,8 @@ def score_conditions(
 
         iterator = tqdm(conditions, desc="scoring conditions", unit="condition")
     for cond in iterator:
-        apply_condition(model, cond, reduction_lanes, attention_block_size, backend, engine_max_model_len, gemm_block_rows)
+        apply_condition(model, cond, reduction_lanes, attention_block_size, backend, engine_max_model_len, gemm_block_rows,
+                        tensor_parallel)
         out[cond.name] = hf_logprobs(model, seqs)
     revert_roundalign(model)
     return out
@@ -225,9 +227,10 @@ def compare_engine_run(
         lanes = run.lanes
     max_len = getattr(run.info, "max_model_len", None)
     rows = getattr(run.info, "gemm_block_rows", None) or 0  # the engine's linears' row blocks (trl_roundalign.gemm)
+    tp = int(getattr(run.info, "tensor_parallel_size", 1) or 1)  # > 1: row-parallel sums as the engine's ranks (tp)
     train = score_conditions(
         model_path, samples, conditions, reduction_lanes=lanes, attention_block_size=run.block_size, progress=progress,
-        engine_max_model_len=max_len, gemm_block_rows=rows,
+        engine_max_model_len=max_len, gemm_block_rows=rows, tensor_parallel=tp,
     )
     stats = condition_stats(samples, train, prefill)
     floor_stats: dict[str, dict[str, float]] = {}
@@ -244,6 +247,7 @@ def compare_engine_run(
         layer_rows = per_layer_differences(
             model_path, [s.token_ids for s in samples], conditions, reduction_lanes=lanes,
             attention_block_size=run.block_size, progress=progress, engine_max_model_len=max_len, gemm_block_rows=rows,
+            tensor_parallel=tp,
         )
     return Comparison(str(model_path), list(conditions), samples, prefill, train, stats, floor_stats, lanes, layer_rows)
 

@@ -28,13 +28,16 @@ class Condition:
     name: str
     regions: tuple[str, ...]
     profile: str
+    # The row-parallel linears' TP form: None follows the engine's tensor_parallel_size (`apply_condition`), 1 keeps
+    # the unsharded linears against a TP engine (what TP alone changes).
+    tensor_parallel: int | None = None
 
 
 def _name(regions: tuple[str, ...]) -> str:
     return _PAPER_NAMES.get(regions) or "+".join(regions)
 
 
-def build_conditions(which: str, profile: str, *, exact: bool = False) -> list[Condition]:
+def build_conditions(which: str, profile: str, *, exact: bool = False, tensor_parallel: int = 1) -> list[Condition]:
     """The conditions of one analysis.
 
     Args:
@@ -43,6 +46,8 @@ def build_conditions(which: str, profile: str, *, exact: bool = False) -> list[C
         profile: the aligned conditions' profile (the default condition always uses `none`).
         exact: append the exact mode: `ALL_REGIONS` under the exact refinement of `profile`
             (`vllm-compiled-exact`, `vllm-compiled-piecewise-exact`).
+        tensor_parallel: the engine's TP size; above 1 (with `exact`) the exact mode without the TP form is added
+            too, `exact_tp1`: what the engine's sharded sums alone change.
     """
     from ..engine import exact_profile_for
 
@@ -57,6 +62,8 @@ def build_conditions(which: str, profile: str, *, exact: bool = False) -> list[C
     out = [Condition(_name(s), s, "none" if not s else profile) for s in sets]
     if exact:
         out.append(Condition("exact", ALL_REGIONS, exact_profile_for(profile)))
+        if tensor_parallel > 1:
+            out.append(Condition("exact_tp1", ALL_REGIONS, exact_profile_for(profile), tensor_parallel=1))
     return out
 
 
@@ -68,14 +75,19 @@ def apply_condition(
     backend: str | None = None,
     engine_max_model_len: int | None = None,
     gemm_block_rows: int = 0,
+    tensor_parallel: int = 1,
 ) -> None:
     """Revert whatever patches `model` has, then apply `cond`'s (lanes and block size where its profile uses them;
     the engine's max_model_len for LongRoPE models). An aligned condition's linears compute as the engine's do
-    (`gemm_block_rows`, `trl_roundalign.gemm`), as the trainer's do; the default condition keeps plain `F.linear`."""
+    (`gemm_block_rows`, `trl_roundalign.gemm`; a `tensor_parallel` > 1 engine's row-parallel sums, `trl_roundalign.tp`),
+    as the trainer's do; the default condition keeps plain `F.linear`."""
     from ..gemm import install_row_blocked_linears
+    from ..tp import install_tp_linears
 
     revert_roundalign(model)
     install_row_blocked_linears(model, gemm_block_rows if cond.regions else 0)
+    tp = tensor_parallel if cond.tensor_parallel is None else cond.tensor_parallel
+    install_tp_linears(model, tp if cond.regions else 1, gemm_block_rows)
     lanes = reduction_lanes if get_profile(cond.profile).reduction == "inductor-cpu" else None
     block = attention_block_size if get_profile(cond.profile).attention == "vllm-cpu" else None
     apply_roundalign(

@@ -132,6 +132,7 @@ def per_layer_differences(
     progress: bool = False,
     engine_max_model_len: int | None = None,
     gemm_block_rows: int = 0,
+    tensor_parallel: int = 1,
 ) -> list[dict]:
     """Rows of `per_layer.csv`: each condition's values after every layer against the reference condition's.
 
@@ -166,12 +167,14 @@ def per_layer_differences(
             for seq in iterator:
                 ids = torch.tensor([list(seq)], dtype=torch.long)
                 for i, cond in enumerate(order):
-                    apply_condition(model, cond, reduction_lanes, attention_block_size, backend, engine_max_model_len, gemm_block_rows)
+                    apply_condition(model, cond, reduction_lanes, attention_block_size, backend, engine_max_model_len, gemm_block_rows,
+                                    tensor_parallel)
                     (recorder.store() if i == 0 else recorder.compare(cond.name))
                     model(input_ids=ids, use_cache=False)
                     recorder.stop()
                 # the reference against itself: the hooks' own check (must be all zero, all bit-identical)
-                apply_condition(model, order[0], reduction_lanes, attention_block_size, backend, engine_max_model_len, gemm_block_rows)
+                apply_condition(model, order[0], reduction_lanes, attention_block_size, backend, engine_max_model_len, gemm_block_rows,
+                                tensor_parallel)
                 recorder.compare(reference)
                 model(input_ids=ids, use_cache=False)
                 recorder.stop()

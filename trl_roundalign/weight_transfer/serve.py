@@ -149,14 +149,12 @@ def _tensor_parallel_env(tp: int, env: dict) -> None:
         return
     env[WORKERS_FIX_ENV] = "1"
     if not env.get("VLLM_CPU_OMP_THREADS_BIND", "").strip():
-        cpus = sorted(os.sched_getaffinity(0))
-        if len(cpus) < tp:
-            raise SystemExit(f"--tensor-parallel-size {tp}: this process may use {len(cpus)} CPUs, fewer than one per rank.")
-        share = len(cpus) // tp
-        ranks = [cpus[r * share : (r + 1) * share] for r in range(tp)]
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
-            str(c[0]) if len(c) == 1 else f"{c[0]}-{c[-1]}" if c[-1] - c[0] == len(c) - 1 else ",".join(map(str, c)) for c in ranks
-        )
+        from ..tp import cpu_threads_bind
+
+        try:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(tp)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
         logger.warning("--tensor-parallel-size %d: VLLM_CPU_OMP_THREADS_BIND=%s", tp, env["VLLM_CPU_OMP_THREADS_BIND"])
 
 
