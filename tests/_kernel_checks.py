@@ -52,6 +52,23 @@ def triton_mode(interpret: bool):
         _drop_triton_modules()
 
 
+def compile_ptx(script: str) -> dict[str, str]:
+    """Run `script` (it compiles kernels for a GPU target, no GPU needed, and prints a JSON object of PTX texts) in
+    a fresh interpreter without `TRITON_INTERPRET`; skips where this Triton has no ptxas."""
+    import json
+    import subprocess
+
+    import pytest
+
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr:
+        pytest.skip("no ptxas in this Triton install")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
 def gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 

@@ -41,6 +41,7 @@ __all__ = [
     "cpu_threads_bind",
     "cuda_all_reduce_transport",
     "install_tp_linears",
+    "linear_grads",
     "read_cuda_all_reduce",
     "remove_tp_linears",
     "row_parallel_linear",
@@ -71,12 +72,18 @@ class _RowParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        g2 = grad.reshape(-1, grad.shape[-1])
-        grad_x = g2.mm(weight).reshape(x.shape) if ctx.needs_input_grad[0] else None
-        grad_w = g2.t().mm(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
-        grad_b = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_x, grad_w, grad_b, None, None
+        return (*linear_grads(ctx, grad), None, None)
+
+
+def linear_grads(ctx, grad):
+    """The ordinary GEMM gradient of a linear `y = x W^T (+ b)` (x, W saved; `ctx.has_bias`): the backward of every
+    TP form (the sharded sum is the same product, so its gradient is `F.linear`'s)."""
+    x, weight = ctx.saved_tensors
+    g2 = grad.reshape(-1, grad.shape[-1])
+    grad_x = g2.mm(weight).reshape(x.shape) if ctx.needs_input_grad[0] else None
+    grad_w = g2.t().mm(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
+    grad_b = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+    return grad_x, grad_w, grad_b
 
 
 def row_parallel_linear(

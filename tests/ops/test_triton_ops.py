@@ -13,7 +13,6 @@ and drops those modules again so that later imports follow the environment of th
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -36,6 +35,7 @@ from _kernel_checks import (  # noqa: E402
     EPS,
     FP16,
     FP32,
+    compile_ptx,
     triton_mode,
 )
 from _kernel_checks import assert_bounded_flips as _assert_bounded_flips  # noqa: E402
@@ -479,13 +479,7 @@ _PTX_SCRIPT = textwrap.dedent(
 @pytest.fixture(scope="module")
 def gpu_ptx() -> dict[str, str]:
     """Every kernel compiled to PTX for sm_90 (no GPU needed), the forward kernels in each arithmetic variant."""
-    pytest.importorskip("triton.backends.nvidia.compiler")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _PTX_SCRIPT], capture_output=True, text=True, env=env, timeout=600)
-    if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr:
-        pytest.skip("no ptxas in this Triton install")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout)
+    return compile_ptx(_PTX_SCRIPT)
 
 
 _FMA = re.compile(r"\bfma\.rn\.f32\b")

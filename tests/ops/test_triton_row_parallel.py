@@ -15,10 +15,7 @@ The bitwise claims against cuBLAS partials need a GPU: tests/ops/test_gpu_ops.py
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -30,7 +27,7 @@ _TESTS = str(Path(__file__).resolve().parents[1])
 if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)
 from _bitwise import assert_bitwise_equal  # noqa: E402
-from _kernel_checks import triton_mode  # noqa: E402
+from _kernel_checks import compile_ptx, triton_mode  # noqa: E402
 
 from trl_roundalign.tp import row_parallel_linear  # noqa: E402
 
@@ -129,13 +126,7 @@ _PER_THREAD = 64 * 64 // 128
 
 @pytest.fixture(scope="module")
 def ptx() -> dict[str, str]:
-    pytest.importorskip("triton.backends.nvidia.compiler")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _PTX_SCRIPT], capture_output=True, text=True, env=env, timeout=600)
-    if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr:
-        pytest.skip("no ptxas in this Triton install")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout)
+    return compile_ptx(_PTX_SCRIPT)
 
 
 def _count(pattern: str, code: str) -> int:

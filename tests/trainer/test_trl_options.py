@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 import pytest
+import torch
 from trainer_helpers import make_config, varied_reward  # tests/trainer is on sys.path
 
 from trl_roundalign import RoundAlignGRPOTrainer, get_patch_report

@@ -37,6 +37,7 @@ import importlib.machinery
 import os
 import sys
 
+
 def _env(name: str) -> bool:
     return os.environ.get(name, "false").lower() in ("true", "1")
 

@@ -103,12 +103,9 @@ class _RowParallelTriton(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        g2 = grad.reshape(-1, grad.shape[-1])
-        grad_x = g2.mm(weight).reshape(x.shape) if ctx.needs_input_grad[0] else None
-        grad_w = g2.t().mm(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
-        grad_b = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_x, grad_w, grad_b, None
+        from ...tp import linear_grads
+
+        return (*linear_grads(ctx, grad), None)
 
 
 def row_parallel_linear_triton(
