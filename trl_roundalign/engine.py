@@ -288,8 +288,8 @@ def record_inductor_dir(llm) -> None:
     """Remember where Inductor wrote this engine's generated code (read later for the reduction lanes): the engine
     points `TORCHINDUCTOR_CACHE_DIR` at `<VLLM_CACHE_ROOT>/torch_compile_cache/torch_aot_compile/<hash>/inductor_cache`
     while it builds (a piecewise engine's `local_cache_dir` names another folder), in its worker processes at TP > 1."""
-    path = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if not (path and "torch_aot_compile" in path) and llm.llm_engine.vllm_config.parallel_config.world_size > 1:
+    path = os.environ.get("TORCHINDUCTOR_CACHE_DIR")  # at TP > 1 this process's may be inherited, from another engine
+    if llm.llm_engine.vllm_config.parallel_config.world_size > 1:
         from .tp import worker_inductor_dir
 
         path = llm.collective_rpc(worker_inductor_dir)[0]

