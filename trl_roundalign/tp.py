@@ -38,6 +38,7 @@ __all__ = [
     "CUDA_TP_CLAIM",
     "MEASURED_TP",
     "ROW_PARALLEL",
+    "colocated_all_reduce",
     "cpu_threads_bind",
     "cuda_all_reduce_transport",
     "install_tp_linears",
@@ -341,3 +342,17 @@ def worker_inductor_dir(worker) -> str | None:
     """A TP engine's worker's `TORCHINDUCTOR_CACHE_DIR` (`engine.record_inductor_dir` asks it by `collective_rpc`:
     with the multiprocess executor the ranks compile in their own processes)."""
     return os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+
+
+def colocated_all_reduce() -> str | None:
+    """The all-reduce this process's TP group sums with (a colocated engine's, one rank per training process):
+    vLLM's device communicator's transport class, e.g. `_CPUSHMDistributed` (vLLM-CPU's shared-memory all-reduce), or
+    None where no TP group is set up in this process."""
+    try:
+        from vllm.distributed import get_tp_group
+
+        comm = getattr(get_tp_group(), "device_communicator", None)
+    except (AssertionError, ImportError):  # no TP group in this process
+        return None
+    module = getattr(comm, "dist_module", None)
+    return type(module).__name__ if module is not None else type(comm).__name__ if comm is not None else None

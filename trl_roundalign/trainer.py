@@ -512,6 +512,10 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
             "measured": self._roundalign_gemm_report.as_dict() if self._roundalign_gemm_report is not None else None,
         }
         info["tensor_parallel_size"] = self._roundalign_tp  # >1: the row-parallel linears sum the engine's shards
+        if self._roundalign_tp > 1 and self.roundalign_engine is not None:  # colocate: the ranks' all-reduce transport
+            from .tp import colocated_all_reduce
+
+            info["all_reduce"] = colocated_all_reduce()
         if self.roundalign_verification is not None:
             info["verification"] = self.roundalign_verification.as_dict()
         report = get_patch_report(self.model) if self.args.roundalign_regions or self.args.roundalign_positions_from_mask else None

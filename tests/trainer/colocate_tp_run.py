@@ -53,6 +53,7 @@ torch.save(
         "all_reduce": type(getattr(comm, "dist_module", None)).__name__,
         "profile": trainer.roundalign_profile,
         "run_info_tp": trainer.roundalign_run_info().get("tensor_parallel_size"),
+        "run_info_all_reduce": trainer.roundalign_run_info().get("all_reduce"),
         "candidates": [(c.profile, c.kl_k3, c.frac_bitwise_equal) for c in v.candidates],
         "chosen": v.chosen,
         "logged": [h for h in trainer.state.log_history if "mismatch/kl_k3" in h],

@@ -42,7 +42,8 @@ def test_colocate_tp2_exact_mode_is_bit_identical_to_the_sharded_engine(tmp_path
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     for r in ranks:
         assert r["engine_tp"] == r["trainer_tp"] == r["run_info_tp"] == 2
-        assert r["all_reduce"] == "_CPUSHMDistributed" and r["profile"] == "vllm-compiled-exact" == r["chosen"]
+        assert r["all_reduce"] == r["run_info_all_reduce"] == "_CPUSHMDistributed"  # mismatch.jsonl's header says which
+        assert r["profile"] == "vllm-compiled-exact" == r["chosen"]
         assert dict((p, b) for p, _, b in r["candidates"])["vllm-compiled-exact"] == 1.0, r["candidates"]
         assert r["moved"] > 0  # the policy trained
         assert _bitwise(r["engine"], r["with_tp"]) == 1.0, "the engine after the sync != the policy with the TP form"
