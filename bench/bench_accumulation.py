@@ -48,7 +48,7 @@ def run_mode(mode: str, width: int, layers: int, accumulation: int, steps: int) 
     import torch
 
     sys.path.insert(0, str(ROOT))
-    from trl_roundalign.optim import MasterWeightsOptimizer
+    from trl_roundalign.trainer.masters import MasterWeightsOptimizer
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)]).to(torch.bfloat16)

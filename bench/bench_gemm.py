@@ -1,4 +1,4 @@
-"""What batch-invariant linear layers cost (`trl_roundalign.gemm`), and whether each way is invariant here.
+"""What batch-invariant linear layers cost (`trl_roundalign.engine.gemm`), and whether each way is invariant here.
 
 Three parts (`--parts`, default all):
 

@@ -7,7 +7,7 @@ a log-prob loss, backward into the adapter; `--iters` timed iterations after one
 processes per mode, alternated; medians over all timed iterations (and over the processes' peaks).
 
 - `peft`: PEFT's forward, `W x + s B(A x)`;
-- `merged`: `trl_roundalign.lora.install_merged_lora_forward`, `x @ r(W + s B A)^T` with the merged weight
+- `merged`: `trl_roundalign.trainer.lora.install_merged_lora_forward`, `x @ r(W + s B A)^T` with the merged weight
   materialised for one layer at a time (and kept for that layer's backward).
 
 Reported per mode: median process CPU seconds per forward + backward (one torch thread; wall clock kept too), and peak RSS above the loaded-model baseline (MiB),
@@ -52,7 +52,7 @@ def run_mode(mode: str, model_name: str, batch: int, seq: int, rank: int, iters:
     from transformers import AutoModelForCausalLM
 
     sys.path.insert(0, str(ROOT))
-    from trl_roundalign.lora import install_merged_lora_forward
+    from trl_roundalign.trainer.lora import install_merged_lora_forward
 
     torch.manual_seed(0)
     torch.set_num_threads(1)  # as the other CPU benches: process CPU time of one thread (docs/cost.md, "How it is measured")

@@ -1,4 +1,4 @@
-"""What the TP-aligned row-parallel linear costs (`trl_roundalign.tp`, issue 27 part 5), against `F.linear`.
+"""What the TP-aligned row-parallel linear costs (`trl_roundalign.engine.tp`, issue 27 part 5), against `F.linear`.
 
 One row-parallel layer (`o_proj`, `down_proj`) of SmolLM2-135M and of a 1.5B model (Qwen2.5-1.5B's widths: hidden
 1536, intermediate 8960), `tokens` rows of input, no bias (neither family has one there):
@@ -7,7 +7,7 @@ One row-parallel layer (`o_proj`, `down_proj`) of SmolLM2-135M and of a 1.5B mod
 - `tp2`: `tp.row_parallel_linear(x, w, None, 2)`, two bf16 partial GEMMs over the K halves summed in fp32 and
   rounded once (plain GEMMs, `rows=0`), what exact mode computes against a TP=2 vLLM-CPU engine;
 - `tp2_blocks64`: the same with the GEMMs in row blocks of 64 (`rows=64`), as on an Intel AMX CPU where the engine
-  computes in row blocks (`trl_roundalign.gemm`);
+  computes in row blocks (`trl_roundalign.engine.gemm`);
 - on a GPU also `triton_tp2`: the one-pass Triton kernel (`trl_roundalign.ops.triton.row_parallel`).
 
 Forward (no autograd) and forward + backward (the ordinary GEMM gradient for x and W), medians of interleaved
@@ -114,7 +114,7 @@ def main(argv=None) -> None:
     repeats = a.repeats or (2 if a.quick else 9)
     shapes = {("SmolLM2-135M", "down_proj"): SHAPES["SmolLM2-135M", "down_proj"]} if a.quick else SHAPES
     results = measure(shapes, tokens, repeats, dev)
-    from trl_roundalign.gemm import cpu_kind
+    from trl_roundalign.engine.gemm import cpu_kind
 
     kind = cpu_kind() if dev.type == "cpu" else None
     cols = [("model", "model"), ("layer", "layer"), ("impl", "impl"), ("fwd_ms", "fwd ms"), ("fwd_ratio", "x F.linear"),

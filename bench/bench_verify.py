@@ -1,4 +1,4 @@
-"""Cost of the trainer's start-up profile verification (`trl_roundalign.verify`), against a real colocated engine.
+"""Cost of the trainer's start-up profile verification (`trl_roundalign.trainer.startup_check`), against a real colocated engine.
 
 For each setting a `RoundAlignGRPOTrainer` is built (vLLM colocate, this process) and its verification record
 read: the seconds spent scoring the candidates (`Verification.seconds`), the tokens scored, and, timed here
@@ -51,10 +51,10 @@ def main(argv=None) -> int:
     from harness import environment
 
     from trl_roundalign import RoundAlignGRPOConfig, RoundAlignGRPOTrainer
-    from trl_roundalign.analysis.scoring import vllm_prefill_logprobs
     from trl_roundalign.data import arithmetic_dataset
     from trl_roundalign.local_models import resolve_model
-    from trl_roundalign.verify import verification_sequences
+    from trl_roundalign.scoring import vllm_prefill_logprobs
+    from trl_roundalign.trainer.startup_check import verification_sequences
 
     path = resolve_model(args.model)
     rows = []

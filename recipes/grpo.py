@@ -221,7 +221,7 @@ def expand_argv(argv: Sequence[str]) -> list[str]:
 
 
 def make_parser() -> TrlParser:
-    from trl_roundalign.config import RoundAlignGRPOConfig
+    from trl_roundalign.trainer.config import RoundAlignGRPOConfig
 
     return TrlParser((GRPOScriptArguments, RoundAlignGRPOConfig, ModelConfig))
 
@@ -489,7 +489,7 @@ def build_trainer(script_args: GRPOScriptArguments, training_args, model_args):
     model_path = resolve_model(model_args.model_name_or_path)
     reward_funcs = build_reward_funcs(script_args.reward_funcs, training_args, model_path, model_args)
 
-    from trl_roundalign.trainer import RoundAlignGRPOTrainer
+    from trl_roundalign.trainer.grpo import RoundAlignGRPOTrainer
 
     history = script_args.log_history_file or os.path.join(training_args.output_dir, "log_history.jsonl")
     callbacks: list[TrainerCallback] = [LogHistoryCallback(history)]

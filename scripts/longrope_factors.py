@@ -68,9 +68,9 @@ def main(argv=None) -> int:
     from trl_roundalign import metrics
     from trl_roundalign.analysis.compare import completion_matrix
     from trl_roundalign.analysis.engine_process import run_engine_in_process
-    from trl_roundalign.analysis.scoring import hf_logprobs
     from trl_roundalign.engine import cpu_vector_isa
     from trl_roundalign.local_models import tiny_phi3_longrope
+    from trl_roundalign.scoring import hf_logprobs
 
     started = time.time()
     rows = []

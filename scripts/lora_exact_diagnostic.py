@@ -36,11 +36,11 @@ def main(argv=None) -> int:
     from trainer_helpers import make_config, varied_reward
 
     from trl_roundalign import RoundAlignGRPOTrainer
-    from trl_roundalign.analysis.scoring import hf_logprobs, vllm_prefill_logprobs
     from trl_roundalign.data import arithmetic_dataset
     from trl_roundalign.engine import build_llm, cpu_vector_isa
     from trl_roundalign.local_models import tiny_model
-    from trl_roundalign.lora import lossless_peft_params
+    from trl_roundalign.scoring import hf_logprobs, vllm_prefill_logprobs
+    from trl_roundalign.trainer.lora import lossless_peft_params
 
     lines = [f"# scripts/lora_exact_diagnostic.py; CPU vector ISA {cpu_vector_isa()}, torch {torch.__version__}"]
     tmp = Path(tempfile.mkdtemp())
@@ -67,8 +67,8 @@ def main(argv=None) -> int:
         if not torch.equal(p, want):
             differing.append(name)
     lines.append(f"engine weights differing from the merged weights: {differing or 'none'} ({len(vp)} tensors)")
-    from trl_roundalign.lora import _active, _merged
-    from trl_roundalign.lora import _lora_layers as lora_layers
+    from trl_roundalign.trainer.lora import _active, _merged
+    from trl_roundalign.trainer.lora import _lora_layers as lora_layers
 
     changed = total = 0
     for layer in lora_layers(t.model):

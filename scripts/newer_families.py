@@ -84,8 +84,8 @@ def measure_one(family: str, result: Path) -> None:
     from trl_roundalign import metrics
     from trl_roundalign.analysis.compare import completion_matrix
     from trl_roundalign.analysis.engine_process import run_engine_in_process
-    from trl_roundalign.analysis.scoring import hf_logprobs
     from trl_roundalign.patching import apply_roundalign
+    from trl_roundalign.scoring import hf_logprobs
 
     row: dict = {"family": family, "config": FAMILIES[family][0]}
     with tempfile.TemporaryDirectory(prefix=f"newer-{family}-") as tmp:

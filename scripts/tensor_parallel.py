@@ -5,7 +5,7 @@ one core per rank: `VLLM_CPU_OMP_THREADS_BIND="0|1"`), each in its own process, 
 sequences (prompt log-probs, prefill). Each engine reports its reduction lanes (read from its Inductor code), its
 GEMM row blocks and, per worker, its TP all-reduce transport. The Hugging Face model then scores the sequences under
 the default BF16 forward, the three regions and the exact mode (the engine's lanes, attention kernel and row blocks),
-each also with `trl_roundalign.tp.install_tp_linears(model, 2)`, against both engines. A model vLLM cannot shard
+each also with `trl_roundalign.engine.tp.install_tp_linears(model, 2)`, against both engines. A model vLLM cannot shard
 (SmolLM2's 9 query / 3 key-value heads at TP=2) is recorded with vLLM's refusal.
 
 Run: `.venv/bin/python scripts/tensor_parallel.py [--out DIR]` (default docs/results/<cpu kind>). Writes
@@ -75,8 +75,8 @@ def _worker_facts(worker):
 def run_engine(tp: int, model: str, out: str) -> None:
     """Build one engine, score `sequences()` with its prefill, save what it reports to `out` (torch.save)."""
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(c) for c in range(tp)) if tp > 1 else "0-1")
-    from trl_roundalign.analysis.scoring import vllm_prefill_logprobs
     from trl_roundalign.engine import build_llm, close_llm, engine_info, inductor_reduction_lanes
+    from trl_roundalign.scoring import vllm_prefill_logprobs
 
     seqs = sequences()
     tag = f"tp{tp}-" + hashlib.sha1(str(model).encode()).hexdigest()[:8]
@@ -117,8 +117,8 @@ def trainer_logprobs(model_path, run: dict, condition: str, tp_form: int):
     from transformers import AutoModelForCausalLM
 
     from trl_roundalign.analysis.conditions import apply_condition, build_conditions
-    from trl_roundalign.analysis.scoring import hf_logprobs
-    from trl_roundalign.tp import install_tp_linears
+    from trl_roundalign.engine.tp import install_tp_linears
+    from trl_roundalign.scoring import hf_logprobs
 
     cond = next(c for c in build_conditions("regions", "vllm-compiled", exact=True) if c.name == condition)
     model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.bfloat16, attn_implementation="sdpa").eval()
@@ -142,7 +142,7 @@ def stats(a: list[torch.Tensor], b: list[torch.Tensor]) -> dict:
 
 
 def main() -> None:
-    from trl_roundalign.gemm import cpu_kind
+    from trl_roundalign.engine.gemm import cpu_kind
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)

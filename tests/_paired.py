@@ -13,7 +13,7 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-from trl_roundalign.verify import SIGNIFICANCE_Z
+from trl_roundalign.trainer.startup_check import SIGNIFICANCE_Z
 
 
 def k3_terms(train: Sequence[float], reference: Sequence[float]) -> list[float]:

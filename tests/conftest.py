@@ -75,7 +75,7 @@ def engines():
     """Session-wide vLLM engines, one per (model, options): `engines(path, enforce_eager=False, ...)`.
 
     Engines are built with the CPU weight-sync fix and their own compile cache per patch state
-    (trl_roundalign.engine.build_llm), and reused across tests.
+    (trl_roundalign.engine.build.build_llm), and reused across tests.
     """
     from trl_roundalign.engine import build_llm
 

@@ -249,7 +249,7 @@ def test_bench_tp_quick(tmp_path):
     impls = {r["impl"] for r in run["rows"]}
     assert {"f_linear", "tp2"} <= impls and ("triton_tp2" in impls) == ON_GPU, impls
     assert all(r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > r["fwd_ms"] * 0.5 and r["peak_mib"] >= 0 for r in run["rows"])
-    from trl_roundalign.gemm import cpu_kind
+    from trl_roundalign.engine.gemm import cpu_kind
 
     assert run["settings"]["cpu_kind"] == (None if ON_GPU else cpu_kind())
     assert "| model" in out

@@ -95,9 +95,9 @@ def test_plain_grpo_colocate_trains_and_weight_sync_follows_the_model(tmp_path):
     from trl import GRPOConfig, GRPOTrainer
     from vllm import SamplingParams, TokensPrompt
 
-    from trl_roundalign._compat import apply_vllm_cpu_weight_sync_fix, vllm_cpu_weight_sync_fix_applied
-    from trl_roundalign.analysis.scoring import hf_logprobs
     from trl_roundalign.data import arithmetic_dataset
+    from trl_roundalign.engine.dispatch import apply_vllm_cpu_weight_sync_fix, vllm_cpu_weight_sync_fix_applied
+    from trl_roundalign.scoring import hf_logprobs
 
     assert apply_vllm_cpu_weight_sync_fix() and apply_vllm_cpu_weight_sync_fix()  # idempotent
     assert vllm_cpu_weight_sync_fix_applied()

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from trl_roundalign import callbacks, metrics
-from trl_roundalign.callbacks import MismatchCallback
+from trl_roundalign.trainer.callbacks import MismatchCallback
 
 NAN = float("nan")
 
@@ -254,7 +254,7 @@ def test_a_step_with_nonfinite_logprobs_is_logged_and_warned(tmp_path, caplog):
     cb = MismatchCallback(log_file=None)
     cb.trainer = trainer
     cb.on_train_begin(None, state(0), None)
-    with caplog.at_level("WARNING", logger="trl_roundalign.callbacks"):
+    with caplog.at_level("WARNING", logger="trl_roundalign.trainer.callbacks"):
         logs = run_steps(cb, trainer, [([0.0, 0.0, 0.0, 0.0], 2), ([0.0, 0.0], 2)])
     assert logs[0]["mismatch/nonfinite_train_tokens"] == 4 and logs[0]["mismatch/nan_tokens"] == 4
     assert logs[0]["mismatch/frac_bitwise_equal"] == 1.0  # over the finite tokens only, as documented

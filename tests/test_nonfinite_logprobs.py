@@ -64,7 +64,7 @@ def test_score_is_fine_with_finite_logprobs(monkeypatch):
     ],
 )
 def test_score_fails_on_nonfinite_logprobs(monkeypatch, policy, engine, side, count):
-    from trl_roundalign.verify import ProfileMismatch
+    from trl_roundalign.trainer.startup_check import ProfileMismatch
 
     with pytest.raises(ProfileMismatch, match=rf"{count} of 6 .*not finite") as info:
         score_with(monkeypatch, policy, engine)

@@ -11,7 +11,7 @@ import torch
 
 from trl_roundalign import RoundAlignGRPOConfig
 from trl_roundalign.local_models import tiny_model
-from trl_roundalign.options import check_options, sampling_biases
+from trl_roundalign.trainer.options import check_options, sampling_biases
 
 
 def _args(tmp_path, **kw):

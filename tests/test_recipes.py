@@ -240,7 +240,7 @@ def test_accelerate_configs():
 
 
 # ------------------------------------------------------------------------------------------------
-# Parsing into the real config classes (once trl_roundalign.config exists)
+# Parsing into the real config classes (once trl_roundalign.trainer.config exists)
 
 
 @pytest.mark.parametrize("path", recipe_files(), ids=_rel)

@@ -51,7 +51,7 @@ def test_a_custom_op_switched_off_is_not_a_refusal():
 def test_trl_internals_that_moved_are_named():
     from trl import GRPOTrainer
 
-    from trl_roundalign.trainer import check_trl_internals
+    from trl_roundalign.trainer.grpo import check_trl_internals
 
     check_trl_internals(GRPOTrainer)  # the pinned TRL passes
 
@@ -81,7 +81,7 @@ def _peft_model(**lora):
 
 
 def test_dora_is_refused_and_plain_lora_is_not():
-    from trl_roundalign.lora import check_lossless_supported
+    from trl_roundalign.trainer.lora import check_lossless_supported
 
     check_lossless_supported(_peft_model())
     with pytest.raises(ValueError, match=r"LoRA variant adapters \(adapter 'default': Dora\w*\).*use_dora=False") as err:
@@ -113,7 +113,7 @@ def test_bf16_parameters_without_fp32_masters_are_refused_and_with_them_accepted
     setting; with the setting on, the optimizer is the fp32 master optimizer."""
     import torch
 
-    from trl_roundalign.optim import MasterWeightsOptimizer
+    from trl_roundalign.trainer.masters import MasterWeightsOptimizer
 
     refused = _engine_free_trainer(tmp_path / "off", roundalign_fp32_master_weights=False)
     assert any(p.dtype == torch.bfloat16 for p in refused.model.parameters())

@@ -1,4 +1,4 @@
-"""The trainer's log-probs the sampler's way (`trl_roundalign.logprobs`), against vLLM's sampler's formula.
+"""The trainer's log-probs the sampler's way (`trl_roundalign.trainer.logprobs`), against vLLM's sampler's formula.
 
 The declared reference is vLLM 0.31's sampler (`vllm/v1/sample/sampler.py`, `logprobs_mode="processed_logprobs"`):
 the head's bf16 logits, `.to(float32)`, `.div_(temperature)`, `log_softmax(dim=-1)`, gathered. Claims, each able to

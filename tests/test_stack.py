@@ -19,8 +19,8 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from trl_roundalign._compat import is_vllm_cpu
 from trl_roundalign.engine import MEASURE_UNKNOWN_VLLM, EngineInfo, profile_for_engine
+from trl_roundalign.engine.dispatch import is_vllm_cpu
 
 ROOT = Path(__file__).resolve().parents[1]
 PIECEWISE_SPLIT = ["vllm::unified_attention_with_output"]

@@ -1,5 +1,6 @@
-"""The package's shape: no import circles (module-level or inside functions), no module past the size a reader
-can hold."""
+"""The package's shape: no import circles (module-level, inside functions, or through the `__init__` of a package an
+import runs), no arrow from the engine side up to the trainer or the measuring instruments, no module past the size a
+reader can hold."""
 
 from __future__ import annotations
 
@@ -36,7 +37,14 @@ def _imports(name: str, path: Path, mods: dict[str, Path], source: str | None = 
                 base = ".".join(anchor + ([base] if base else []))
             for a in node.names:  # `from pkg import submodule` depends on the submodule
                 deps.add(f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base)
-    return {d for d in deps if d in mods and d != name}
+    deps = {d for d in deps if d in mods and d != name}
+    # Importing `a.b.c` runs the `__init__` of `a` and `a.b` first, unless the importer is inside them (then it is
+    # already running): a package `__init__` that imports the importer back closes a circle too.
+    inside = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)} | {name}
+    for d in list(deps):
+        parts = d.split(".")
+        deps |= {p for i in range(1, len(parts)) if (p := ".".join(parts[:i])) in mods and p not in inside}
+    return deps - {name}
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -68,8 +76,8 @@ def test_a_circle_through_a_function_level_import_is_found():
     mods = _modules()
     graph = {m: _imports(m, p, mods) for m, p in mods.items()}
     for a, b, path, stmt in [
-        ("trl_roundalign._compat", "trl_roundalign.weight_transfer", mods["trl_roundalign._compat"],
-         "def f():\n    from .weight_transfer import BACKEND\n"),
+        ("trl_roundalign.engine.dispatch", "trl_roundalign.weight_transfer", mods["trl_roundalign.engine.dispatch"],
+         "def f():\n    from ..weight_transfer import BACKEND\n"),
         ("trl_roundalign.analysis.per_layer", "trl_roundalign.analysis.compare",
          mods["trl_roundalign.analysis.per_layer"], "def f():\n    from .compare import apply_condition\n"),
     ]:
@@ -80,3 +88,34 @@ def test_a_circle_through_a_function_level_import_is_found():
 def test_no_module_is_too_long():
     long = {str(p.relative_to(PKG.parent)): n for p in PKG.rglob("*.py") if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+def test_an_import_counts_the_package_init_it_runs():
+    """`from ..weight_transfer.backend import X` in the engine runs weight_transfer/__init__.py, which imports the
+    engine back: the circle the check once missed because it ignored package `__init__` edges."""
+    mods = _modules()
+    graph = {m: _imports(m, p, mods) for m, p in mods.items()}
+    a = "trl_roundalign.engine.dispatch"
+    deps = _imports(a, mods[a], mods, "def f():\n    from ..weight_transfer.backend import BACKEND\n")
+    assert deps == {"trl_roundalign.weight_transfer.backend", "trl_roundalign.weight_transfer"}
+    assert a in {m for c in _cycles({**graph, a: graph[a] | deps}) for m in c}
+    # a module inside a package does not run that package's __init__ again
+    assert "trl_roundalign.engine" not in _imports(a, mods[a], mods, "from .gemm import linear\n")
+
+
+# Floors: a module imports only from its own floor or below. The engine side knows nothing of the trainer or of the
+# measuring instruments; the trainer knows nothing of the measuring instruments (`analysis/`, `cli`).
+_ABOVE = {
+    "trl_roundalign.engine": ("trl_roundalign.trainer", "trl_roundalign.analysis", "trl_roundalign.cli"),
+    "trl_roundalign.trainer": ("trl_roundalign.analysis", "trl_roundalign.cli"),
+}
+
+
+def test_no_arrow_runs_back_up():
+    mods = _modules()
+    back = []
+    for m, p in mods.items():
+        for floor, above in _ABOVE.items():
+            if m == floor or m.startswith(floor + "."):
+                back += [f"{m} -> {d}" for d in _imports(m, p, mods) if d.startswith(above)]
+    assert not back, "imports from a higher floor: " + "; ".join(sorted(back))

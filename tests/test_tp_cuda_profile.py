@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from trl_roundalign.engine import EngineInfo, UnknownEngineConfiguration, profile_for_engine
-from trl_roundalign.tp import CUDA_TP_CLAIM, cuda_all_reduce_transport
+from trl_roundalign.engine.tp import CUDA_TP_CLAIM, cuda_all_reduce_transport
 
 # An A100 pair (sm_80: no FlashInfer all-reduce, no torch symmetric memory), default flags, a 1.5B model's hidden
 # size and a prefill budget small enough for the custom all-reduce: 512 tokens x 1536 x 2 bytes = 1.5 MiB < 8 MiB.
@@ -80,7 +80,7 @@ def test_profile_for_engine_refuses_an_unalignable_cuda_transport_in_one_line():
 def test_profile_for_engine_accepts_the_custom_all_reduce_only_as_read_not_run(caplog):
     info = replace(CUDA_TP2)
     info.cuda_all_reduce = dict(A100_TP2)
-    with caplog.at_level(logging.WARNING, logger="trl_roundalign.tp"):
+    with caplog.at_level(logging.WARNING, logger="trl_roundalign.engine.tp"):
         assert profile_for_engine(info, tensor_parallel=True) == "vllm-compiled-piecewise"
     assert CUDA_TP_CLAIM == "read from sources, not run" and CUDA_TP_CLAIM in caplog.text
     # Still only with the TP form computed by the trainer.
@@ -93,7 +93,7 @@ def test_read_cuda_all_reduce_takes_the_layout_from_the_config_and_environment(m
 
     import torch
 
-    from trl_roundalign.tp import read_cuda_all_reduce
+    from trl_roundalign.engine.tp import read_cuda_all_reduce
 
     cfg = SimpleNamespace(
         compilation_config=SimpleNamespace(pass_config=SimpleNamespace(fuse_allreduce_rms=False, enable_sp=False,

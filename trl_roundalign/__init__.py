@@ -11,6 +11,9 @@ Public API (imported lazily: importing the package starts neither vLLM nor TRL):
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.util
+import sys
 
 __version__ = "0.1.0"
 
@@ -22,9 +25,9 @@ _LAZY = {
     "PROFILES": "trl_roundalign.profiles",
     "PAPER_REGIONS": "trl_roundalign.profiles",
     "ALL_REGIONS": "trl_roundalign.profiles",
-    "RoundAlignGRPOConfig": "trl_roundalign.config",
-    "RoundAlignGRPOTrainer": "trl_roundalign.trainer",
-    "MismatchCallback": "trl_roundalign.callbacks",
+    "RoundAlignGRPOConfig": "trl_roundalign.trainer.config",
+    "RoundAlignGRPOTrainer": "trl_roundalign.trainer.grpo",
+    "MismatchCallback": "trl_roundalign.trainer.callbacks",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]
@@ -38,3 +41,39 @@ def __getattr__(name: str):
 
 def __dir__():
     return __all__
+
+
+# Modules that moved into the `trainer/` and `engine/` packages (and `analysis.scoring` below both): their old paths
+# import the same module object, so code and docs written against them keep working.
+_MOVED = {
+    "config": "trainer.config",
+    "options": "trainer.options",
+    "callbacks": "trainer.callbacks",
+    "verify": "trainer.startup_check",
+    "verify_server": "trainer.server_check",
+    "logprobs": "trainer.logprobs",
+    "optim": "trainer.masters",
+    "lora": "trainer.lora",
+    "_compat": "engine.dispatch",
+    "gemm": "engine.gemm",
+    "tp": "engine.tp",
+    "analysis.scoring": "scoring",
+}
+
+
+class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, fullname, path=None, target=None):
+        old = fullname.removeprefix(__name__ + ".")
+        if old == fullname or old not in _MOVED:
+            return None
+        return importlib.util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec):
+        return importlib.import_module(f"{__name__}.{_MOVED[spec.name.removeprefix(__name__ + '.')]}")
+
+    def exec_module(self, module):
+        pass  # the module ran under its own name
+
+
+if not any(isinstance(f, _MovedModuleFinder) for f in sys.meta_path):
+    sys.meta_path.append(_MovedModuleFinder())

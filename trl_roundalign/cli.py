@@ -146,7 +146,7 @@ def cmd_env(args) -> int:
     import trl
 
     from . import __version__
-    from ._compat import is_vllm_cpu
+    from .engine.dispatch import is_vllm_cpu
 
     rows = {
         "trl-roundalign": __version__,
@@ -224,7 +224,7 @@ def cmd_card_diff(args) -> int:
 
 def _gemm_rows(model: str | None) -> dict[str, str]:
     """`env`'s lines on the CPU kind and the GEMM's batch invariance (plain F.linear, and the row blocks if needed)."""
-    from . import gemm
+    from .engine import gemm
 
     if model is not None:
         from transformers import AutoConfig

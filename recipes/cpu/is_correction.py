@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
 
     set_offline_defaults(ROOT / ".cache", in_process_vllm=False)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    from trl_roundalign.gemm import cpu_kind
+    from trl_roundalign.engine.gemm import cpu_kind
     from trl_roundalign.local_models import resolve_model
 
     model_path = resolve_model(args.model)

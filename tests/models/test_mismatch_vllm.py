@@ -28,7 +28,7 @@ from _paired import assert_significantly_lower, k3_terms, paired
 from trl_roundalign.analysis.compare import Condition, build_conditions, compare_with_engine
 from trl_roundalign.local_models import peaked_qwen3, smollm2_135m, tiny_model
 from trl_roundalign.profiles import ALL_REGIONS, PAPER_REGIONS, get_profile
-from trl_roundalign.verify import SIGNIFICANCE_Z
+from trl_roundalign.trainer.startup_check import SIGNIFICANCE_Z
 
 pytestmark = pytest.mark.vllm
 

@@ -107,7 +107,7 @@ def test_tp_one_is_unchanged():
 def test_row_parallel_linear_is_two_rounded_partials_summed_in_fp32():
     import torch
 
-    from trl_roundalign.tp import row_parallel_linear
+    from trl_roundalign.engine.tp import row_parallel_linear
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(37, 256, generator=g).bfloat16()
@@ -128,8 +128,8 @@ def test_install_tp_linears_refuses_unmeasured_families_and_restores_the_row_blo
     import torch
     from transformers import AutoModelForCausalLM
 
-    from trl_roundalign.gemm import install_row_blocked_linears
-    from trl_roundalign.tp import install_tp_linears, remove_tp_linears
+    from trl_roundalign.engine.gemm import install_row_blocked_linears
+    from trl_roundalign.engine.tp import install_tp_linears, remove_tp_linears
 
     qwen2 = AutoModelForCausalLM.from_pretrained(str(tiny_models["qwen2"]), dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="model_type='qwen2'"):

@@ -1,4 +1,4 @@
-"""Batch-invariant linear layers (`trl_roundalign.gemm`), at the shapes users run (SmolLM2: K = 576 and 1536,
+"""Batch-invariant linear layers (`trl_roundalign.engine.gemm`), at the shapes users run (SmolLM2: K = 576 and 1536,
 where oneDNN's AMX kernels are batch-variant) and not only at tiny-model shapes where every path agrees.
 
 The claims, each able to fail:

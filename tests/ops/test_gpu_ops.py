@@ -37,7 +37,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trl_roundalign._compat import inductor_option
+from trl_roundalign.engine.dispatch import inductor_option
 from trl_roundalign.ops import add_rms_norm, qk_norm_rope, rms_norm, rope, swiglu
 from trl_roundalign.profiles import get_profile
 
@@ -452,13 +452,13 @@ def _ints(shape, seed, lo=-8, hi=8):
 @pytest.mark.parametrize(("n", "k"), ROW_PARALLEL_SHAPES)
 def test_row_parallel_bitwise_on_exact_products(tp, n, k):
     """Small integers: every GEMM order gives the same fp32 partials, so the bits test the structure alone."""
+    from trl_roundalign.engine.tp import row_parallel_linear
     from trl_roundalign.ops.triton.row_parallel import row_parallel_linear_triton
-    from trl_roundalign.tp import row_parallel_linear
 
     x, w, b = _ints((1000, k), 100), _ints((n, k), 101), _ints((n,), 102, -64, 64)
     got = row_parallel_linear_triton(x, w, b, tp)
     assert_bitwise_equal(got, _tp_reference(x, w, b, tp), label=f"row-parallel TP={tp} {n}x{k} vs cuBLAS partials")
-    assert_bitwise_equal(got, row_parallel_linear(x, w, b, tp, rows=0), label="vs trl_roundalign.tp (CUDA)")
+    assert_bitwise_equal(got, row_parallel_linear(x, w, b, tp, rows=0), label="vs trl_roundalign.engine.tp (CUDA)")
     assert (got != F.linear(x, w, b)).float().mean() > 0.01, "the inputs cannot tell the sharded sum from F.linear"
 
 

@@ -1,6 +1,6 @@
 """The Triton TP-aligned row-parallel linear (`trl_roundalign.ops.triton.row_parallel`) without a GPU.
 
-1. Under the Triton interpreter, against the PyTorch form (`trl_roundalign.tp.row_parallel_linear`, plain GEMMs):
+1. Under the Triton interpreter, against the PyTorch form (`trl_roundalign.engine.tp.row_parallel_linear`, plain GEMMs):
    bit for bit on small-integer inputs, where every product and every fp32 sum is exact so that the GEMM's
    accumulation order cannot matter and only the structure (k rounded partials, fp32 sum in rank order, one
    rounding) decides the bits; the same inputs tell that structure from the unsharded matmul. Backward: the
@@ -29,7 +29,7 @@ if _TESTS not in sys.path:
 from _bitwise import assert_bitwise_equal  # noqa: E402
 from _kernel_checks import compile_ptx, triton_mode  # noqa: E402
 
-from trl_roundalign.tp import row_parallel_linear  # noqa: E402
+from trl_roundalign.engine.tp import row_parallel_linear  # noqa: E402
 
 
 def _ints(shape, seed: int, lo: int = -8, hi: int = 8) -> torch.Tensor:

@@ -12,11 +12,11 @@ import sys
 import torch
 
 from trl_roundalign import RoundAlignGRPOTrainer
-from trl_roundalign.analysis.scoring import hf_logprobs, vllm_prefill_logprobs
 from trl_roundalign.data import arithmetic_dataset
+from trl_roundalign.engine.tp import install_tp_linears, remove_tp_linears
 from trl_roundalign.local_models import tiny_model
-from trl_roundalign.tp import install_tp_linears, remove_tp_linears
-from trl_roundalign.verify import verification_sequences
+from trl_roundalign.scoring import hf_logprobs, vllm_prefill_logprobs
+from trl_roundalign.trainer.startup_check import verification_sequences
 
 sys.path.insert(0, os.path.dirname(__file__))
 from trainer_helpers import make_config, varied_reward  # noqa: E402

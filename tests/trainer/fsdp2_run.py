@@ -16,8 +16,8 @@ from transformers import AutoModelForCausalLM
 
 from trl_roundalign import apply_roundalign
 from trl_roundalign.local_models import tiny_model
-from trl_roundalign.optim import aligned_fsdp2_policy
 from trl_roundalign.profiles import PAPER_REGIONS
+from trl_roundalign.trainer.masters import aligned_fsdp2_policy
 
 out, which = sys.argv[1], sys.argv[2]
 dist.init_process_group("gloo")

@@ -26,8 +26,8 @@ from accelerate import PartialState  # noqa: E402
 
 PartialState(cpu=True)
 
-import trl_roundalign.verify as verify  # noqa: E402
-from trl_roundalign.trainer import RoundAlignGRPOTrainer  # noqa: E402
+import trl_roundalign.trainer.startup_check as verify  # noqa: E402
+from trl_roundalign.trainer.grpo import RoundAlignGRPOTrainer  # noqa: E402
 
 verify.verification_sequences = lambda tokenizer: [[1, 2, 3, 4]]  # no tokenizer needed: nothing gets scored
 client = types.SimpleNamespace(base_url=url, session=requests.Session()) if rank == 0 else None

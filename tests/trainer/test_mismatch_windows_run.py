@@ -9,9 +9,9 @@ import pytest
 from trainer_helpers import make_config, varied_reward  # noqa: E402  (tests/trainer is on sys.path)
 
 from trl_roundalign import RoundAlignGRPOTrainer
-from trl_roundalign.callbacks import read_mismatch_log, read_mismatch_runs
 from trl_roundalign.data import arithmetic_dataset
 from trl_roundalign.local_models import tiny_model
+from trl_roundalign.trainer.callbacks import read_mismatch_log, read_mismatch_runs
 
 pytestmark = pytest.mark.vllm
 

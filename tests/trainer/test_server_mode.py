@@ -236,7 +236,7 @@ def server_trainer(server, tmp_path, profile: str, **overrides):
 
 
 def test_server_mode_verification_logs_the_right_profile(server, tmp_path, caplog):
-    with server.log_on_failure(), caplog.at_level(logging.INFO, logger="trl_roundalign.trainer"):
+    with server.log_on_failure(), caplog.at_level(logging.INFO, logger="trl_roundalign.trainer.grpo"):
         trainer = server_trainer(server, tmp_path, "vllm-compiled")
         trainer.vllm_generation.vllm_client.close_communicator()
     lines = [r.getMessage() for r in caplog.records if "verified against the vLLM server" in r.getMessage()]
@@ -256,7 +256,7 @@ def test_server_mode_verification_logs_the_right_profile(server, tmp_path, caplo
 
 @pytest.mark.parametrize("wrong", ["vllm-compiled-piecewise", "vllm-eager-cpu-avx2"])
 def test_server_mode_a_wrong_profile_stops_naming_the_better_one(server, tmp_path, wrong):
-    from trl_roundalign.verify import ProfileMismatch
+    from trl_roundalign.trainer.startup_check import ProfileMismatch
 
     with pytest.raises(ProfileMismatch) as err:
         server_trainer(server, tmp_path, wrong)
@@ -273,7 +273,7 @@ def test_server_mode_a_wrong_profile_stops_naming_the_better_one(server, tmp_pat
 
 def test_server_mode_refuses_exact_profiles(server, tmp_path):
     """Exact mode needs the engine's reduction lanes, from its compile cache: not readable across processes."""
-    from trl_roundalign.verify import ProfileMismatch
+    from trl_roundalign.trainer.startup_check import ProfileMismatch
 
     with pytest.raises(
         ProfileMismatch, match=r"'vllm-compiled-exact' is exact, .*cannot be read here.*'vllm-compiled'"
@@ -337,7 +337,7 @@ def test_the_server_listens_on_loopback_only_and_its_weight_endpoints_need_the_t
 
 
 def test_server_engine_info_reads_the_platform_or_says_it_cannot():
-    from trl_roundalign.verify import server_engine_info
+    from trl_roundalign.trainer.startup_check import server_engine_info
 
     cfg = {
         "device_config": {"device": "cpu"},
@@ -359,7 +359,7 @@ def test_server_engine_info_reads_the_platform_or_says_it_cannot():
 def test_a_rival_must_beat_the_profile_by_more_than_the_engines_own_noise(monkeypatch):
     """Server mode's k3 decision: a rival with a lower k3 refutes the chosen profile only when it is lower by more
     than the engine disagrees with itself (batched against one-at-a-time prefill); with no noise, any lower k3."""
-    from trl_roundalign.verify import ProfileMismatch, engine_self_k3, verify_profile
+    from trl_roundalign.trainer.startup_check import ProfileMismatch, engine_self_k3, verify_profile
 
     seqs = [list(range(3, 15))]
     engine = [torch.linspace(-3.0, -0.5, 11)]
@@ -369,7 +369,7 @@ def test_a_rival_must_beat_the_profile_by_more_than_the_engines_own_noise(monkey
     class Scored(torch.nn.Module):  # stands in for the policy: the log-probs of each profile are set, not computed
         pass
 
-    import trl_roundalign.verify as verify
+    import trl_roundalign.trainer.startup_check as verify
 
     offsets = {"vllm-compiled": 2e-3, "vllm-compiled-piecewise": 1.9e-3, "vllm-eager": 5e-2}
 
@@ -522,7 +522,7 @@ def test_the_server_start_up_check_leaves_what_the_server_samples_alone(tmp_path
     from transformers import AutoTokenizer
     from trl.generation.vllm_client import VLLMClient
 
-    from trl_roundalign.verify import server_prompt_logprobs, verification_sequences
+    from trl_roundalign.trainer.startup_check import server_prompt_logprobs, verification_sequences
 
     model = tiny_model("qwen3")
     sequences = verification_sequences(AutoTokenizer.from_pretrained(model))

@@ -39,7 +39,7 @@ class _Trainer:  # what `verify_server.server_tp` reads and sets
 def test_server_tp_reads_the_size_and_refuses_unmeasured_layouts_in_one_line():
     """No server: `server_tp` on the layouts a /server_info reading can give."""
     from trl_roundalign.engine import EngineInfo, UnknownEngineConfiguration, vllm_cpu_kernel_library
-    from trl_roundalign.verify_server import server_tp
+    from trl_roundalign.trainer.server_check import server_tp
 
     url = "http://127.0.0.1:1"
     trainer = _Trainer("qwen3")
@@ -85,8 +85,8 @@ def tp2_server(tmp_path_factory):
 def test_server_mode_trains_against_a_tp2_server_with_the_tp_form(tp2_server, tmp_path):
     from trl_roundalign import RoundAlignGRPOTrainer
     from trl_roundalign.data import arithmetic_dataset
-    from trl_roundalign.tp import _MARK, remove_tp_linears
-    from trl_roundalign.verify import server_prompt_logprobs, verification_sequences, verify_profile
+    from trl_roundalign.engine.tp import _MARK, remove_tp_linears
+    from trl_roundalign.trainer.startup_check import server_prompt_logprobs, verification_sequences, verify_profile
 
     server = tp2_server
     with server.log_on_failure():
@@ -154,7 +154,7 @@ def test_an_explicit_profile_gets_the_tp_form_from_the_start_up_check(tp2_server
     the eager profile, scored with it too, is told apart."""
     from test_server_mode import server_trainer
 
-    from trl_roundalign.tp import _MARK
+    from trl_roundalign.engine.tp import _MARK
 
     with tp2_server.log_on_failure():
         trainer = server_trainer(tp2_server, tmp_path, "vllm-compiled")
@@ -174,7 +174,7 @@ def test_with_the_start_up_check_off_the_server_layout_is_still_followed(tp2_ser
     computing the TP=1 form."""
     from test_server_mode import server_trainer
 
-    from trl_roundalign.tp import _MARK
+    from trl_roundalign.engine.tp import _MARK
 
     with tp2_server.log_on_failure():
         trainer = server_trainer(tp2_server, tmp_path, "vllm-compiled", roundalign_verify_profile=False)

@@ -50,11 +50,11 @@ def test_mismatch_falls_default_to_three_regions_to_exact(tmp_path, model):
     print({n: f"{v:.3e}" for n, v in mean.items()}, {n: sum(eq) / len(eq) for n, (_, eq) in results.items()})
     assert mean["bf16_default"] > mean["three_region"] > mean["exact"], mean
     # Exact against the sampler: the linears in the engine's row blocks where the GEMM is batch-variant, the
-    # log-probs in the sampler's formula (trl_roundalign.logprobs). Measured bit for bit on the Intel AMX machine
+    # log-probs in the sampler's formula (trl_roundalign.trainer.logprobs). Measured bit for bit on the Intel AMX machine
     # (docs/results/amx/exact_vs_sampler.md: 20 SmolLM2 steps, every token); on the AVX2 and AMD AVX-512 kinds it
     # has not run since the sampler's formula went in (their earlier remainders, k3 ~1e-10 and ~4e-5 against the
     # sampler, are in docs/numerics.md), so there only the ordering above is asserted.
-    from trl_roundalign.gemm import cpu_kind
+    from trl_roundalign.engine.gemm import cpu_kind
 
     k3_exact, eq_exact = results["exact"]
     if cpu_kind() == "amx":

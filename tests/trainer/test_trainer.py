@@ -106,7 +106,7 @@ def test_patches_present_while_training(trained):
 
 def test_weights_learn_at_small_lr_and_are_synced_to_vllm(trained):
     trainer, _, before, _ = trained
-    from trl_roundalign.optim import MasterWeightsOptimizer
+    from trl_roundalign.trainer.masters import MasterWeightsOptimizer
 
     opt = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
     assert isinstance(opt, MasterWeightsOptimizer)

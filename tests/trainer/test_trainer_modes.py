@@ -131,7 +131,7 @@ def test_checkpoint_loads_in_plain_transformers_and_resume_reapplies_patches(tmp
 def test_plain_grpo_trainer_with_the_callback(tmp_path, closing):
     from trl import GRPOConfig, GRPOTrainer
 
-    from trl_roundalign._compat import apply_vllm_cpu_weight_sync_fix
+    from trl_roundalign.engine.dispatch import apply_vllm_cpu_weight_sync_fix
 
     apply_vllm_cpu_weight_sync_fix()
     args = GRPOConfig(**config_kwargs(tmp_path, max_steps=2, vllm_importance_sampling_correction=True))
@@ -198,7 +198,7 @@ def test_guards(tmp_path, closing):
 
 def test_a_cpu_config_as_a_user_writes_it(tmp_path, monkeypatch):
     """No use_cpu, TRL's default bf16=True: on a machine without an accelerator the config sets use_cpu itself."""
-    import trl_roundalign.config as config_mod
+    import trl_roundalign.trainer.config as config_mod
 
     monkeypatch.setattr(config_mod, "_has_accelerator", lambda: False)
     cfg = RoundAlignGRPOConfig(output_dir=str(tmp_path))
@@ -265,7 +265,7 @@ def test_lora_weight_sync_leaves_the_frozen_base_bit_identical(tmp_path, closing
         # What vLLM receives is what PEFT's own merge gives (on a copy, merged in place as TRL would).
         import copy
 
-        from trl_roundalign.lora import lossless_peft_params
+        from trl_roundalign.trainer.lora import lossless_peft_params
 
         sent = dict(lossless_peft_params(trainer.vllm_generation))
         merged = copy.deepcopy(trainer.model)

@@ -108,7 +108,7 @@ def test_the_option_trains_aligned_with_the_metrics_logged(tmp_path, options, cl
         assert logs[0]["kl"] == 0.0 and logs[1]["kl"] > 0.0, [h["kl"] for h in logs]
     if options.get("loss_type") == "cispo":
         # The band CISPO clips at (r <= epsilon_high, no lower bound) is the one the mismatch metrics count.
-        from trl_roundalign.callbacks import clip_band
+        from trl_roundalign.trainer.callbacks import clip_band
 
         assert clip_band(trainer) == (1.0, 4.0)
         assert all(h["mismatch/frac_outside_clip"] == 0.0 for h in logs)  # no ratio near 5 on aligned rollouts

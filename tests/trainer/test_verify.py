@@ -11,7 +11,7 @@ from trl_roundalign import RoundAlignGRPOTrainer
 from trl_roundalign.data import arithmetic_dataset
 from trl_roundalign.local_models import tiny_model
 from trl_roundalign.profiles import ALL_REGIONS
-from trl_roundalign.verify import ProfileMismatch
+from trl_roundalign.trainer.startup_check import ProfileMismatch
 
 pytestmark = pytest.mark.vllm
 

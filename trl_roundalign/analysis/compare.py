@@ -15,8 +15,8 @@ import torch
 from .. import metrics
 from ..patching import revert_roundalign
 from ..profiles import PAPER_REGIONS, get_profile
+from ..scoring import Sample, hf_logprobs
 from .conditions import CONDITION_SETS, Condition, apply_condition, build_conditions
-from .scoring import Sample, hf_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -186,7 +186,7 @@ def run_engine(
 ) -> EngineRun:
     """The engine side of `compare_with_engine`: generate with `llm` and score the samples with its prefill."""
     from ..engine import engine_info, inductor_reduction_lanes
-    from .scoring import generate_samples, vllm_prefill_logprobs
+    from ..scoring import generate_samples, vllm_prefill_logprobs
 
     if prompts is None:
         prompts = chat_prompts(llm.get_tokenizer(), num_prompts, seed=seed)
@@ -226,7 +226,7 @@ def compare_engine_run(
             raise ValueError(f"The engine's reduction lanes could not be read: {run.lanes_error}")
         lanes = run.lanes
     max_len = getattr(run.info, "max_model_len", None)
-    rows = getattr(run.info, "gemm_block_rows", None) or 0  # the engine's linears' row blocks (trl_roundalign.gemm)
+    rows = getattr(run.info, "gemm_block_rows", None) or 0  # the engine's linears' row blocks (trl_roundalign.engine.gemm)
     tp = int(getattr(run.info, "tensor_parallel_size", 1) or 1)  # > 1: row-parallel sums as the engine's ranks (tp)
     train = score_conditions(
         model_path, samples, conditions, reduction_lanes=lanes, attention_block_size=run.block_size, progress=progress,

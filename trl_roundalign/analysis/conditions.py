@@ -79,10 +79,10 @@ def apply_condition(
 ) -> None:
     """Revert whatever patches `model` has, then apply `cond`'s (lanes and block size where its profile uses them;
     the engine's max_model_len for LongRoPE models). An aligned condition's linears compute as the engine's do
-    (`gemm_block_rows`, `trl_roundalign.gemm`; a `tensor_parallel` > 1 engine's row-parallel sums, `trl_roundalign.tp`),
+    (`gemm_block_rows`, `trl_roundalign.engine.gemm`; a `tensor_parallel` > 1 engine's row-parallel sums, `trl_roundalign.engine.tp`),
     as the trainer's do; the default condition keeps plain `F.linear`."""
-    from ..gemm import install_row_blocked_linears
-    from ..tp import install_tp_linears
+    from ..engine.gemm import install_row_blocked_linears
+    from ..engine.tp import install_tp_linears
 
     revert_roundalign(model)
     install_row_blocked_linears(model, gemm_block_rows if cond.regions else 0)

@@ -110,7 +110,7 @@ def default_reduction_lanes(
     Two vectors of fp32 lanes for every norm (the kernel loads bf16: 32 lanes on AVX-512, 16 on AVX2)
     except the post-attention norm of odd layers, which Inductor fuses with the materialisation of the
     fp32 residual and vectorises over one vector (16 on AVX-512, 8 on AVX2). A fallback for patching
-    without an engine: `trl_roundalign.engine.inductor_reduction_lanes(llm)` reads the real sequence.
+    without an engine: `trl_roundalign.engine.lanes.inductor_reduction_lanes(llm)` reads the real sequence.
 
     Args:
         vector_floats: fp32 lanes per vector; default: this machine's (`engine.cpu_vector_isa`).

@@ -63,6 +63,6 @@ def register() -> None:
         WeightTransferTrainerFactory.register_engine(BACKEND, f"{__name__}.gloo", "GlooTrainerWeightTransferEngine")
     # A served engine loads its model before its weight-transfer engine exists: give gloo-served engines
     # live weights from the start (vLLM-CPU only; engines with any other backend are untouched).
-    from .._compat import install_gloo_server_weight_sync_fix
+    from ..engine.dispatch import install_gloo_server_weight_sync_fix
 
     install_gloo_server_weight_sync_fix()

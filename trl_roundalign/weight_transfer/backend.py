@@ -1,9 +1,11 @@
 """The name this package registers its weight-transfer backend under (``--weight-transfer-config '{"backend": "gloo"}'``).
 
-A module of its own so that `trl_roundalign._compat` (which the weight-transfer modules call) can recognise a
-gloo-served engine without importing the weight-transfer package back.
+Defined by the engine's dispatcher (`trl_roundalign.engine.dispatch.GLOO_BACKEND`), which must recognise a gloo-served
+engine without importing this package back.
 """
 
 from __future__ import annotations
 
-BACKEND = "gloo"
+from ..engine.dispatch import GLOO_BACKEND as BACKEND
+
+__all__ = ["BACKEND"]

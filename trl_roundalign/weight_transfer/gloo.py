@@ -271,7 +271,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         # vLLM-CPU packs linear weights at load (oneDNN, SGL) and drops them; the layerwise reload of an
         # update copies into those parameters. `register()` kept them (live weights, F.linear) for an engine
         # with this backend; the reload re-runs the dispatcher, which then does the same. No-op off vLLM-CPU.
-        from .._compat import apply_vllm_cpu_weight_sync_fix
+        from ..engine.dispatch import apply_vllm_cpu_weight_sync_fix
 
         if apply_vllm_cpu_weight_sync_fix():
             _refuse_dropped_weights(model)

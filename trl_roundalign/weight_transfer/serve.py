@@ -31,7 +31,7 @@ import logging
 import os
 import sys
 
-from ..gemm import ENV_BLOCK_ROWS
+from ..engine.gemm import ENV_BLOCK_ROWS
 from .auth import TOKEN_ENV, is_loopback, new_token
 
 logger = logging.getLogger(__name__)
@@ -113,11 +113,11 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _gemm_block_rows(model: str, env: dict) -> int | None:
-    """The row-block size the server's linears compute with (`trl_roundalign.gemm`): the environment's
+    """The row-block size the server's linears compute with (`trl_roundalign.engine.gemm`): the environment's
     `ROUNDALIGN_GEMM_BLOCK_ROWS` when set, else measured for the model's shapes on this machine (0 where plain
     `F.linear` is batch-invariant). None off vLLM-CPU (vLLM's own kernels)."""
-    from .._compat import is_vllm_cpu
-    from ..gemm import choose_block_rows
+    from ..engine.dispatch import is_vllm_cpu
+    from ..engine.gemm import choose_block_rows
 
     if not is_vllm_cpu():
         return None
@@ -143,13 +143,13 @@ def _tensor_parallel_env(tp: int, env: dict) -> None:
     row-block size (`ROUNDALIGN_GEMM_BLOCK_ROWS`, set above). vLLM-CPU's default thread binding (`auto`) wants one NUMA
     node per rank; unless `VLLM_CPU_OMP_THREADS_BIND` is set, each rank gets its contiguous share of this process's
     CPUs (`0|1` on two cores)."""
-    from .._compat import WORKERS_FIX_ENV, is_vllm_cpu
+    from ..engine.dispatch import WORKERS_FIX_ENV, is_vllm_cpu
 
     if tp <= 1 or not is_vllm_cpu():
         return
     env[WORKERS_FIX_ENV] = "1"
     if not env.get("VLLM_CPU_OMP_THREADS_BIND", "").strip():
-        from ..tp import cpu_threads_bind
+        from ..engine.tp import cpu_threads_bind
 
         try:
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(tp)

@@ -21,7 +21,7 @@ ops switched on or off):
 
 The verdict is the profile consistent with the most regions (all of them, when the engine is one of
 the profiles); it is compared with what `profile="auto"` picks for the same configuration
-(`trl_roundalign.engine.profile_for_engine`).
+(`trl_roundalign.engine.profile.profile_for_engine`).
 
 Match rules: a profile *matches* a region when every output element is bit-identical, or, for
 RMSNorm regions in torch's reduction order (every profile except the Inductor-lane variants), when

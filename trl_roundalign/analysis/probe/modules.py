@@ -2,7 +2,7 @@
 region (instantiated under the engine's config, or taken from a built engine's layer 0).
 
 A vLLM quirk guarded against here: `get_rope` caches `RotaryEmbedding` instances per process, so
-modules are instantiated with an empty RoPE cache (`trl_roundalign.engine.fresh_rope_cache`).
+modules are instantiated with an empty RoPE cache (`trl_roundalign.engine.build.fresh_rope_cache`).
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from ...engine import fresh_rope_cache
 
 
 def engine_config(model: str | os.PathLike, **engine_kwargs):
-    """The `VllmConfig` that `trl_roundalign.engine.build_llm(model, **engine_kwargs)` would run with.
+    """The `VllmConfig` that `trl_roundalign.engine.build.build_llm(model, **engine_kwargs)` would run with.
 
     Built with `vllm.engine.arg_utils.EngineArgs(...).create_engine_config()` and the same defaults
     as `build_llm` (bf16, seed 0, `max_model_len` 1024, its memory share), without loading weights.
     """
     from vllm.engine.arg_utils import EngineArgs
 
-    from ..._compat import is_vllm_cpu
+    from ...engine.dispatch import is_vllm_cpu
 
     kw = dict(engine_kwargs)
     kw.pop("cache_tag", None)

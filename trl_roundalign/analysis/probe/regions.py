@@ -38,7 +38,7 @@ def probe_regions(
         rows: tokens of random input per region.
         seed: input seed.
         regions: the regions to probe (default: all that the model has).
-        **engine_kwargs: as for `trl_roundalign.engine.build_llm` (`enforce_eager`, `compilation_config`, ...).
+        **engine_kwargs: as for `trl_roundalign.engine.build.build_llm` (`enforce_eager`, `compilation_config`, ...).
 
     Returns:
         `(results, context)`: per-region results and `{"source", "compiled", "inductor_options",

@@ -129,7 +129,7 @@ class ProbeReport:
     Attributes:
         model: the model as given (an offline name, a hub id or a path).
         model_path: the checkpoint folder it resolved to (or the hub id).
-        engine: engine facts (`trl_roundalign.engine.EngineInfo.as_dict()`) plus the Inductor options used.
+        engine: engine facts (`trl_roundalign.engine.layout.EngineInfo.as_dict()`) plus the Inductor options used.
         source: `"engine"` (modules taken from a built engine) or `"config"` (instantiated under its config).
         rows: tokens of random input per region; seed: the input seed.
         regions: per-region results.

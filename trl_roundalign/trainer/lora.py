@@ -22,7 +22,7 @@ import types
 
 import torch
 
-from .gemm import linear
+from ..engine.gemm import linear
 
 __all__ = [
     "check_lossless_supported",
@@ -162,7 +162,7 @@ class _MergedLinear(torch.autograd.Function):
         # between a forward and its backward), so no layer's merged copy outlives its own GEMM.
         ctx.save_for_backward(x, *lora_params)
         ctx.layer, ctx.adapters, ctx.has_bias = layer, adapters, bias is not None
-        # The base layer's row-block schedule (`trl_roundalign.gemm`, set where the machine's GEMM is batch-variant).
+        # The base layer's row-block schedule (`trl_roundalign.engine.gemm`, set where the machine's GEMM is batch-variant).
         rows = layer.get_base_layer().__dict__.get("_roundalign_row_blocks", 0)
         return linear(x, merged, _merged_bias(layer, adapters), rows=rows)
 

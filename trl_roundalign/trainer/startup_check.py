@@ -24,9 +24,9 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from . import metrics
-from .engine import EXACT_REFINEMENTS
-from .profiles import ALL_REGIONS, get_profile, is_exact
+from .. import metrics
+from ..engine import EXACT_REFINEMENTS
+from ..profiles import ALL_REGIONS, get_profile, is_exact
 
 logger = logging.getLogger(__name__)
 
@@ -153,8 +153,8 @@ def verification_sequences(tokenizer, *, max_len: int = 48) -> list[list[int]]:
 
 
 def _score(model, sequences, engine_logps, regions, profile, backend, lanes, block_size, max_len=None) -> CandidateScore:
-    from .analysis.scoring import hf_logprobs
-    from .patching import apply_roundalign, revert_roundalign
+    from ..patching import apply_roundalign, revert_roundalign
+    from ..scoring import hf_logprobs
 
     revert_roundalign(model)
     prof = get_profile(profile)
@@ -193,7 +193,7 @@ def candidate_profiles(info, *, exact: bool = True) -> tuple[list[str], list[str
     cannot be scored; a compiled vLLM-CPU engine is then checked against the base profiles by k3.
     """
     if info is not None and info.platform == "cpu" and info.compiled:
-        from .ops.attention import vllm_cpu_attention_available
+        from ..ops.attention import vllm_cpu_attention_available
 
         if exact and vllm_cpu_attention_available():
             # The two exact refinements decide bit for bit; scoring the base profiles too would only add cost.
@@ -222,7 +222,7 @@ def server_engine_info(server_info: dict):
     `device_config.device`. None, with the reason, when the answer does not say on which platform the server
     runs: the caller must not assume one. `cpu_isa` and `inductor_dir` stay unknown (another process).
     """
-    from .engine import EngineInfo
+    from ..engine import EngineInfo
 
     cfg = server_info.get("vllm_config") if isinstance(server_info, dict) else None
     if not isinstance(cfg, dict):
@@ -266,7 +266,7 @@ def _configured_profile(info) -> str | None:
     """The base profile the engine's configuration names (`engine.profile_for_engine`), where the configuration alone
     decides it (compiled engines, GPU engines); None otherwise (no info, an eager vLLM-CPU engine, whose profile
     depends on the kernel library of the process that runs it, or a configuration no profile describes)."""
-    from .engine import UnknownEngineConfiguration, profile_for_engine
+    from ..engine import UnknownEngineConfiguration, profile_for_engine
 
     if info is None or (info.platform == "cpu" and not info.compiled):
         return None
@@ -346,8 +346,8 @@ def server_prompt_logprobs(client, sequences: list[list[int]], temperature: floa
 
 def _exact_refusal(model) -> str | None:
     """Why the model's family has no exact mode on this machine (`ArchSpec` refusal), or None."""
-    from .models import find_backbone, get_spec
-    from .models.spec import exact_refusal
+    from ..models import find_backbone, get_spec
+    from ..models.spec import exact_refusal
 
     config = getattr(find_backbone(model), "config", None) or getattr(model, "config", None)
     return exact_refusal(get_spec(getattr(config, "model_type", None)), config)
@@ -355,7 +355,7 @@ def _exact_refusal(model) -> str | None:
 
 def _family_profiles(model) -> tuple[str, ...] | None:
     """The profiles measured for the model's family (`ArchSpec.profiles`; None: all)."""
-    from .models import find_backbone, get_spec
+    from ..models import find_backbone, get_spec
 
     config = getattr(find_backbone(model), "config", None) or getattr(model, "config", None)
     return get_spec(getattr(config, "model_type", None)).profiles
