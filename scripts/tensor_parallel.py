@@ -55,12 +55,10 @@ def sequences(n: int = 5, vocab: int = 512, seed: int = 0) -> list[list[int]]:
 
 
 def _inductor_dir(llm) -> str:
-    """The engine's Inductor folder: a TP>1 engine compiles in its workers, so it is not recorded on the `LLM`; the
-    engine's own cache root (one per model and TP size here) holds it."""
-    import glob
+    """The engine's Inductor folder, read from its (rank 0) worker into its layout."""
+    from trl_roundalign.engine import engine_layout
 
-    dirs = glob.glob(str(llm._roundalign_cache_root / "torch_compile_cache" / "torch_aot_compile" / "*" / "inductor_cache"))
-    return max(dirs, key=os.path.getmtime)
+    return engine_layout(llm).inductor_dir
 
 
 def _worker_facts(worker):
@@ -90,7 +88,7 @@ def run_engine(tp: int, model: str, out: str) -> None:
         lp = vllm_prefill_logprobs(llm, seqs)
         result = {
             "seqs": seqs, "prefill": lp, "info": info.as_dict(), "workers": facts, "build_s": build_s,
-            "lanes": inductor_reduction_lanes(_inductor_dir(llm)), "gemm_block_rows": llm._roundalign_gemm_block_rows,
+            "lanes": inductor_reduction_lanes(_inductor_dir(llm)), "gemm_block_rows": engine_info(llm).gemm_block_rows,
             "block_size": int(llm.llm_engine.vllm_config.cache_config.block_size),
         }
     finally:

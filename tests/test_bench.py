@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _env import subprocess_env
+from helpers.env import subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _env import subprocess_env
+from helpers.env import subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "quick_experiment.ipynb"

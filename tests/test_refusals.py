@@ -91,11 +91,7 @@ def test_dora_is_refused_and_plain_lora_is_not():
 
 def _engine_free_trainer(tmp_path, **overrides):
     """A real trainer without an engine (default BF16, no regions), on a bf16 tiny Llama: enough to build the optimizer."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parent / "trainer"))
-    from trainer_helpers import make_config, varied_reward
+    from helpers.trainer import make_config, varied_reward
 
     from trl_roundalign import RoundAlignGRPOTrainer
     from trl_roundalign.data import arithmetic_dataset

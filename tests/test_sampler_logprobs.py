@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from _bitwise import assert_bitwise_equal
+from helpers.bitwise import assert_bitwise_equal
 
 from trl_roundalign import gemm, logprobs
 

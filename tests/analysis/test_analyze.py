@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from _env import subprocess_env
+from helpers.env import subprocess_env
 
 from trl_roundalign.analysis.analyze import analyze
 from trl_roundalign.local_models import smollm2_135m, tiny_model

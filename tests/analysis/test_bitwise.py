@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _bitwise import assert_bitwise_equal
+from helpers.bitwise import assert_bitwise_equal
 
 from trl_roundalign.analysis import bitwise
 from trl_roundalign.analysis.probe import ulp_distance as probe_ulp_distance

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _env import subprocess_env
+from helpers.env import subprocess_env
 
 from trl_roundalign.analysis.card import SCHEMA, card_markdown, diff_cards, load_card
 from trl_roundalign.cli import main

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 import torch
-from _env import subprocess_env
+from helpers.env import subprocess_env
 
 from trl_roundalign.analysis.probe import (
     BASE_PROFILES,

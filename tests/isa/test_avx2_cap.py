@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 import pytest
-from _env import subprocess_env
+from helpers.env import subprocess_env
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

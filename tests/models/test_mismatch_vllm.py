@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from _paired import assert_significantly_lower, k3_terms, paired
+from helpers.paired import assert_significantly_lower, k3_terms, paired
 
 from trl_roundalign.analysis.compare import Condition, build_conditions, compare_with_engine
 from trl_roundalign.local_models import peaked_qwen3, smollm2_135m, tiny_model

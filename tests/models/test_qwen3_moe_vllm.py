@@ -18,7 +18,7 @@ import subprocess
 import sys
 
 import pytest
-from _paired import assert_lower_on_most_tokens, per_token_k3_from_csv
+from helpers.paired import assert_lower_on_most_tokens, per_token_k3_from_csv
 
 pytestmark = pytest.mark.vllm
 

@@ -297,7 +297,7 @@ def test_vec_path_claims_run_on_an_amx_cpu(tmp_path):
     import subprocess
     import sys
 
-    from _env import subprocess_env
+    from helpers.env import subprocess_env
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     if _get_attn_isa(torch.bfloat16, 128, 64) != "amx":

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _bitwise import assert_bitwise_equal
-from _kernel_checks import assert_close_fp64
+from helpers.bitwise import assert_bitwise_equal
+from helpers.kernel_checks import assert_close_fp64
 from test_reference_vs_vllm import (
     ROWS,
     _hf_cos_sin,

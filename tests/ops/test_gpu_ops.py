@@ -28,24 +28,14 @@ Run by `bench/gpu_check.sh` (`pytest -m gpu`); needs torch, triton and transform
 from __future__ import annotations
 
 import os
-import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-
-from trl_roundalign.engine.dispatch import inductor_option
-from trl_roundalign.ops import add_rms_norm, qk_norm_rope, rms_norm, rope, swiglu
-from trl_roundalign.profiles import get_profile
-
-_TESTS = str(Path(__file__).resolve().parents[1])
-if _TESTS not in sys.path:
-    sys.path.insert(0, _TESTS)
-from _bitwise import assert_bitwise_equal  # noqa: E402
-from _kernel_checks import (  # noqa: E402
+from helpers.bitwise import assert_bitwise_equal
+from helpers.kernel_checks import (
     BF16,
     EPS,
     FP16,
@@ -54,12 +44,16 @@ from _kernel_checks import (  # noqa: E402
     triton_mode,
     weight,
 )
-from _kernel_checks import assert_bounded_flips as _assert_bounded_flips  # noqa: E402
-from _kernel_checks import assert_close_fp64 as _assert_close_fp64  # noqa: E402
-from _kernel_checks import assert_within_one_ulp as _assert_within_one_ulp  # noqa: E402
-from _kernel_checks import gen as _gen  # noqa: E402
-from _kernel_checks import grads as _grads  # noqa: E402
-from _kernel_checks import rms_norm_fp64 as _rms_norm_fp64  # noqa: E402
+from helpers.kernel_checks import assert_bounded_flips as _assert_bounded_flips
+from helpers.kernel_checks import assert_close_fp64 as _assert_close_fp64
+from helpers.kernel_checks import assert_within_one_ulp as _assert_within_one_ulp
+from helpers.kernel_checks import gen as _gen
+from helpers.kernel_checks import grads as _grads
+from helpers.kernel_checks import rms_norm_fp64 as _rms_norm_fp64
+
+from trl_roundalign.engine.dispatch import inductor_option
+from trl_roundalign.ops import add_rms_norm, qk_norm_rope, rms_norm, rope, swiglu
+from trl_roundalign.profiles import get_profile
 
 pytestmark = pytest.mark.gpu
 

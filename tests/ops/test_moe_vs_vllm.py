@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from _kernel_checks import assert_close_fp64
-from _paired import assert_significantly_lower
+from helpers.kernel_checks import assert_close_fp64
+from helpers.paired import assert_significantly_lower
 
 from trl_roundalign import apply_roundalign
 from trl_roundalign.models.qwen3_moe import (
@@ -117,7 +117,7 @@ def test_avx2_kernel_claims_run_on_any_x86_cpu(tmp_path):
     import subprocess
     import sys
 
-    from _env import subprocess_env
+    from helpers.env import subprocess_env
 
     from trl_roundalign.engine import vllm_cpu_kernel_library
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _bitwise import assert_bitwise_equal
-from _kernel_checks import assert_close_fp64
+from helpers.bitwise import assert_bitwise_equal
+from helpers.kernel_checks import assert_close_fp64
 from test_reference_vs_vllm import ROWS, compiled, gen, reduction_lanes_of, vllm_rms_norm, weight
 from torch._inductor.utils import run_and_get_code
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _bitwise import assert_bitwise_equal
+from helpers.bitwise import assert_bitwise_equal
 from torch._inductor.utils import run_and_get_code
 
 from trl_roundalign import ops

@@ -18,19 +18,11 @@ import re
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
-
-from trl_roundalign.ops import add_rms_norm, qk_norm_rope, rms_norm, rope, swiglu
-from trl_roundalign.ops._common import rms_rstd
-
-_TESTS = str(Path(__file__).resolve().parents[1])
-if _TESTS not in sys.path:
-    sys.path.insert(0, _TESTS)
-from _bitwise import assert_bitwise_equal  # noqa: E402
-from _kernel_checks import (  # noqa: E402
+from helpers.bitwise import assert_bitwise_equal
+from helpers.kernel_checks import (
     BF16,
     EPS,
     FP16,
@@ -38,14 +30,17 @@ from _kernel_checks import (  # noqa: E402
     compile_ptx,
     triton_mode,
 )
-from _kernel_checks import assert_bounded_flips as _assert_bounded_flips  # noqa: E402
-from _kernel_checks import assert_close_fp64 as _assert_close_fp64  # noqa: E402
-from _kernel_checks import assert_within_one_ulp as _assert_within_one_ulp  # noqa: E402
-from _kernel_checks import gen as _gen  # noqa: E402
-from _kernel_checks import grads as _grads  # noqa: E402
-from _kernel_checks import randn as _randn  # noqa: E402
-from _kernel_checks import rms_norm_fp64 as _rms_norm_fp64  # noqa: E402
-from _kernel_checks import weight as _weight  # noqa: E402
+from helpers.kernel_checks import assert_bounded_flips as _assert_bounded_flips
+from helpers.kernel_checks import assert_close_fp64 as _assert_close_fp64
+from helpers.kernel_checks import assert_within_one_ulp as _assert_within_one_ulp
+from helpers.kernel_checks import gen as _gen
+from helpers.kernel_checks import grads as _grads
+from helpers.kernel_checks import randn as _randn
+from helpers.kernel_checks import rms_norm_fp64 as _rms_norm_fp64
+from helpers.kernel_checks import weight as _weight
+
+from trl_roundalign.ops import add_rms_norm, qk_norm_rope, rms_norm, rope, swiglu
+from trl_roundalign.ops._common import rms_rstd
 
 # The interpreter runs the kernels' fp32 arithmetic in numpy, which warns on inf/NaN/overflow inputs.
 _NUMPY_SPECIALS = "ignore:.*encountered in:RuntimeWarning"

@@ -16,20 +16,14 @@ The bitwise claims against cuBLAS partials need a GPU: tests/ops/test_gpu_ops.py
 from __future__ import annotations
 
 import re
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
+from helpers.bitwise import assert_bitwise_equal
+from helpers.kernel_checks import compile_ptx, triton_mode
 
-_TESTS = str(Path(__file__).resolve().parents[1])
-if _TESTS not in sys.path:
-    sys.path.insert(0, _TESTS)
-from _bitwise import assert_bitwise_equal  # noqa: E402
-from _kernel_checks import compile_ptx, triton_mode  # noqa: E402
-
-from trl_roundalign.engine.tp import row_parallel_linear  # noqa: E402
+from trl_roundalign.engine.tp import row_parallel_linear
 
 
 def _ints(shape, seed: int, lo: int = -8, hi: int = 8) -> torch.Tensor:

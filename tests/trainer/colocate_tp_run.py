@@ -10,6 +10,7 @@ import os
 import sys
 
 import torch
+from helpers.trainer import make_config, varied_reward  # noqa: E402
 
 from trl_roundalign import RoundAlignGRPOTrainer
 from trl_roundalign.data import arithmetic_dataset
@@ -17,9 +18,6 @@ from trl_roundalign.engine.tp import install_tp_linears, remove_tp_linears
 from trl_roundalign.local_models import tiny_model
 from trl_roundalign.scoring import hf_logprobs, vllm_prefill_logprobs
 from trl_roundalign.trainer.startup_check import verification_sequences
-
-sys.path.insert(0, os.path.dirname(__file__))
-from trainer_helpers import make_config, varied_reward  # noqa: E402
 
 out = sys.argv[1]
 args = make_config(
@@ -44,12 +42,12 @@ with torch.no_grad():
     with_tp = hf_logprobs(model, sequences)
     remove_tp_linears(model)
     without_tp = hf_logprobs(model, sequences)
-    install_tp_linears(model, trainer._roundalign_tp, trainer._roundalign_gemm_rows)
+    install_tp_linears(model, trainer._tp, trainer._gemm_rows)
 v = trainer.roundalign_verification
 torch.save(
     {
         "engine_tp": trainer.roundalign_engine.tensor_parallel_size,
-        "trainer_tp": trainer._roundalign_tp,
+        "trainer_tp": trainer._tp,
         "all_reduce": type(getattr(comm, "dist_module", None)).__name__,
         "profile": trainer.roundalign_profile,
         "run_info_tp": trainer.roundalign_run_info().get("tensor_parallel_size"),

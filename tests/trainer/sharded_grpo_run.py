@@ -20,6 +20,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from helpers.trainer import make_config, varied_reward  # noqa: E402
 from torch.distributed.tensor import DTensor
 from transformers import TrainerCallback
 
@@ -28,9 +29,6 @@ from trl_roundalign.data import arithmetic_dataset
 from trl_roundalign.local_models import tiny_model
 from trl_roundalign.scoring import vllm_prefill_logprobs
 from trl_roundalign.trainer.startup_check import verification_sequences
-
-sys.path.insert(0, os.path.dirname(__file__))
-from trainer_helpers import make_config, varied_reward  # noqa: E402
 
 out, phase = sys.argv[1], sys.argv[2]
 rank = int(os.environ.get("RANK", 0))

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _env import subprocess_env
+from helpers.env import subprocess_env
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

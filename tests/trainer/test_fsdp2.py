@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _env import subprocess_env
+from helpers.env import subprocess_env
 from transformers import AutoModelForCausalLM
 
 from trl_roundalign import apply_roundalign

@@ -200,7 +200,7 @@ def test_fsdp_keeps_fp32_masters_exactly_when_accelerate_upcasts(tmp_path):
 def test_a_second_train_keeps_the_master_optimizer(tmp_path, closing):
     """`train()` twice on one trainer: the second finds accelerate's wrapper around the master optimizer and must
     reuse it (one set of fp32 masters), not wrap the wrapper."""
-    from trainer_helpers import make_config, varied_reward  # tests/trainer is on sys.path
+    from helpers.trainer import make_config, varied_reward
 
     from trl_roundalign import RoundAlignGRPOTrainer
     from trl_roundalign.data import arithmetic_dataset

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from trainer_helpers import make_config, varied_reward  # noqa: E402  (tests/trainer is on sys.path)
+from helpers.trainer import make_config, varied_reward
 
 from trl_roundalign import RoundAlignGRPOTrainer
 from trl_roundalign.data import arithmetic_dataset

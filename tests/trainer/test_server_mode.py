@@ -9,106 +9,30 @@ environment. The server is always stopped at teardown; its log is shown when som
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from test_server_security import listening_addresses  # noqa: E402  (tests/trainer is on sys.path)
-from trainer_helpers import make_config, varied_reward  # noqa: E402
+from helpers.server import (
+    STARTUP_TIMEOUT_S,
+    TEXT,
+    TOKEN,
+    Server,
+    free_port,
+    listening_addresses,
+    token,  # noqa: F401  (autouse: the servers' token in the environment)
+    train_and_check_the_server_follows,
+)
+from helpers.trainer import make_config, varied_reward
 
 from trl_roundalign.local_models import tiny_model
-from trl_roundalign.weight_transfer.auth import TOKEN_ENV, TOKEN_HEADER, new_token
+from trl_roundalign.weight_transfer.auth import TOKEN_ENV, TOKEN_HEADER
 
 pytestmark = pytest.mark.vllm
-
-STARTUP_TIMEOUT_S = float(os.environ.get("ROUNDALIGN_SERVER_STARTUP_S", "420"))
-TEXT = "Question: what is 17 + 25? Answer: 17 + 25 = 42."
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# One token for every server this module starts; the trainers' clients read it from the environment (`token`).
-TOKEN = new_token()
-
-
-@pytest.fixture(autouse=True)
-def token(monkeypatch):
-    monkeypatch.setenv(TOKEN_ENV, TOKEN)
-    return TOKEN
-
-
-class Server:
-    """A `trl vllm-serve` process (own process group) and its log; no --host: the default is loopback."""
-
-    def __init__(self, model: Path, log: Path, backend: str = "gloo", extra: list[str] = ()):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log
-        cmd = [
-            sys.executable, "-m", "trl_roundalign.weight_transfer.serve",
-            "--model", str(model), "--port", str(self.port),
-            "--max_model_len", "256",
-            "--weight-transfer-config", json.dumps({"backend": backend}), *extra,
-        ]  # fmt: skip
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
-        env[TOKEN_ENV] = TOKEN
-        self._log_file = open(log, "w")  # noqa: SIM115  (closed in stop)
-        self.proc = subprocess.Popen(
-            cmd, stdout=self._log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-
-    def tail(self, n: int = 60) -> str:
-        lines = self.log.read_text(errors="replace").splitlines() if self.log.exists() else []
-        return "\n".join(lines[-n:])
-
-    def wait_ready(self, timeout_s: float) -> None:
-        import requests
-
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the vLLM server exited with {self.proc.returncode}:\n{self.tail()}")
-            try:
-                if requests.get(f"{self.url}/health", timeout=5).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(2)
-        raise TimeoutError(f"the vLLM server was not up after {timeout_s:.0f} s:\n{self.tail()}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=30)
-        self._log_file.close()
-
-    @contextlib.contextmanager
-    def log_on_failure(self):
-        try:
-            yield
-        except BaseException as e:
-            raise AssertionError(f"{type(e).__name__}: {e}\n--- vLLM server log (tail) ---\n{self.tail()}") from e
-
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
@@ -119,20 +43,6 @@ def server(tmp_path_factory):
         yield srv
     finally:
         srv.stop()
-
-
-def server_logprobs(client, ids: list[int]) -> torch.Tensor:
-    """The server's log-prob of each token of `ids` given the ones before (prompt log-probs, one request)."""
-    out = client.get_sequence_logprobs(sequences=[ids], prompt_lengths=[1], top_logprobs=1)
-    return torch.tensor([lp[0] for lp in out["actual_logprobs"][0]], dtype=torch.float64)
-
-
-@torch.no_grad()
-def trainer_logprobs(model, ids: list[int]) -> torch.Tensor:
-    """The same log-probs from the trainer's policy (patched, bf16), computed here: no engine involved."""
-    x = torch.tensor([ids], device=model.device)
-    logits = model(input_ids=x).logits[0, :-1].float()
-    return torch.log_softmax(logits, -1).gather(-1, x[0, 1:, None])[:, 0].double().cpu()
 
 
 def train_and_check_the_sync(server, tmp_path, model_path: Path, *, min_candidates: int) -> None:
@@ -200,26 +110,6 @@ def test_olmo2_trains_in_server_mode(tmp_path):
         train_and_check_the_sync(server, tmp_path / "run", model, min_candidates=2)
     finally:
         server.stop()
-
-
-def train_and_check_the_server_follows(trainer, client, ids) -> None:
-    """Train, push the final weights, and check the server's log-probs follow the trainer's (as closely as before
-    training, and far closer to the new weights than to the old)."""
-    # Before training the server holds the checkpoint: it agrees with the trainer up to rounding.
-    served_0, local_0 = server_logprobs(client, ids), trainer_logprobs(trainer.model, ids)
-    base_gap = (served_0 - local_0).abs().max().item()
-    trainer.train()
-    # The server generated the last step with the weights before it; push the final weights once more.
-    trainer.vllm_generation.sync_weights()
-    served_2, local_2 = server_logprobs(client, ids), trainer_logprobs(trainer.model, ids)
-    moved = (local_2 - local_0).abs().max().item()
-    gap = (served_2 - local_2).abs().max().item()
-    stale = (served_0 - local_2).abs().max().item()
-    print(f"log-probs: trainer moved {moved:.3g}; server vs trainer before {base_gap:.3g}, after {gap:.3g}")
-    assert moved > 1e-2, "training did not move the policy's log-probs; the check below would prove nothing"
-    assert not torch.equal(served_2, served_0), "the server's log-probs did not change: weights were not synced"
-    assert gap < max(4 * base_gap, 1e-3), (gap, base_gap)  # follows the trainer as closely as at the start
-    assert gap < stale / 4, (gap, stale)  # and is far closer to the new weights than to the old ones
 
 
 def server_trainer(server, tmp_path, profile: str, **overrides):

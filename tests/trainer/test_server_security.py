@@ -4,37 +4,16 @@ The real server's token check and bound addresses: test_server_mode.py."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
+from helpers.server import free_port, listening_addresses  # noqa: F401  (free_port: used by other tests too)
 
 from trl_roundalign.weight_transfer import auth
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def listening_addresses(port: int) -> list[str]:
-    """The local addresses of the TCP sockets listening on `port` (from /proc/net/tcp and tcp6), as hex strings
-    ('0100007F' is 127.0.0.1, all zeros the wildcard)."""
-    found = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with contextlib.suppress(FileNotFoundError), open(table) as f:
-            for line in f.read().splitlines()[1:]:
-                local, state = line.split()[1], line.split()[3]
-                address, hex_port = local.split(":")
-                if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
-                    found.append(address)
-    return found
 
 
 def served_command(monkeypatch, argv: list[str], env: dict[str, str] | None = None) -> tuple[list[str], dict]:

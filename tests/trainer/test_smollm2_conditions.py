@@ -10,7 +10,7 @@ exact mode should land near it.
 from __future__ import annotations
 
 import pytest
-from trainer_helpers import make_config  # tests/trainer is on sys.path
+from helpers.trainer import make_config
 
 from trl_roundalign import RoundAlignGRPOTrainer
 from trl_roundalign.data import arithmetic_dataset

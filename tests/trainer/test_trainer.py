@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from trainer_helpers import make_config, varied_reward  # noqa: E402  (tests/trainer is on sys.path)
+from helpers.trainer import make_config, varied_reward
 
 from trl_roundalign import RoundAlignGRPOTrainer, get_patch_report
 from trl_roundalign.data import arithmetic_dataset

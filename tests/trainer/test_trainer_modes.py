@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from trainer_helpers import config_kwargs, make_config, varied_reward  # tests/trainer is on sys.path
+from helpers.trainer import config_kwargs, make_config, varied_reward
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 from trl_roundalign import MismatchCallback, RoundAlignGRPOConfig, RoundAlignGRPOTrainer, get_patch_report
@@ -173,7 +173,7 @@ def test_guards(tmp_path, closing):
     fp32 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     with pytest.raises(ValueError, match="dtype=torch.bfloat16"):
         RoundAlignGRPOTrainer(model=fp32, reward_funcs=varied_reward, args=make_config(tmp_path), train_dataset=ds)
-    with pytest.raises(ValueError, match="engine runs torch.bfloat16"):
+    with pytest.raises(ValueError, match="^The engine layout.s dtype is bfloat16 but the policy computes with float32: "):
         RoundAlignGRPOTrainer(
             model=path, reward_funcs=varied_reward, args=make_config(tmp_path, model_init_kwargs={"dtype": "float32"}), train_dataset=ds
         )

@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from trainer_helpers import make_config, varied_reward  # tests/trainer is on sys.path
+from helpers.trainer import make_config, varied_reward
 
 from trl_roundalign import RoundAlignGRPOTrainer, get_patch_report
 from trl_roundalign.data import arithmetic_dataset

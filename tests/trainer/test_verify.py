@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from trainer_helpers import make_config, varied_reward  # tests/trainer is on sys.path
+from helpers.trainer import make_config, varied_reward
 
 from trl_roundalign import RoundAlignGRPOTrainer
 from trl_roundalign.data import arithmetic_dataset

@@ -5,13 +5,11 @@ import os
 import sys
 
 import torch
+from helpers.trainer import make_config, varied_reward  # noqa: E402
 
 from trl_roundalign import RoundAlignGRPOTrainer
 from trl_roundalign.data import arithmetic_dataset
 from trl_roundalign.local_models import tiny_model
-
-sys.path.insert(0, os.path.dirname(__file__))
-from trainer_helpers import make_config, varied_reward  # noqa: E402
 
 out = sys.argv[1]
 args = make_config(out, max_steps=2, vllm_gpu_memory_utilization=0.2, gradient_accumulation_steps=2, learning_rate=1e-3)

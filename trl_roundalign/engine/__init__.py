@@ -31,13 +31,12 @@ from .build import (
     engine_kwargs_from,
     fresh_rope_cache,
     piecewise_compilation_config,
-    record_inductor_dir,
     scoped_cache_root,
     set_offline_defaults,
     wants_piecewise,
 )
 from .lanes import inductor_reduction_lanes, reduction_lanes_in
-from .layout import EngineInfo, cpu_vector_isa, engine_info, vllm_cpu_kernel_library
+from .layout import EngineInfo, EngineLayout, cpu_vector_isa, engine_info, engine_layout, vllm_cpu_kernel_library
 from .profile import (
     EAGER_CPU_PROFILES,
     EXACT_REFINEMENTS,
@@ -52,9 +51,9 @@ from .profile import (
 
 __all__ = [
     "AUTO_MEASURE_ROWS", "EAGER_CPU_PROFILES", "EXACT_REFINEMENTS", "GEMM_MEASURE_MAX_ROWS", "KNOWN_TORCH",
-    "KNOWN_VLLM", "MEASURE_UNKNOWN_VLLM", "EngineInfo", "UnknownEngineConfiguration", "build_llm",
+    "KNOWN_VLLM", "MEASURE_UNKNOWN_VLLM", "EngineInfo", "EngineLayout", "engine_layout", "UnknownEngineConfiguration", "build_llm",
     "close_colocated_engine", "close_llm", "cpu_vector_isa", "engine_build_context", "engine_cache_root", "engine_info",
     "engine_kwargs_from", "exact_profile_for", "fresh_rope_cache", "inductor_reduction_lanes", "known_vllm",
-    "piecewise_compilation_config", "profile_for_engine", "record_inductor_dir", "reduction_lanes_in",
+    "piecewise_compilation_config", "profile_for_engine", "reduction_lanes_in",
     "scoped_cache_root", "set_offline_defaults", "vllm_cpu_kernel_library", "wants_piecewise",
 ]

@@ -22,13 +22,7 @@ import logging
 import os
 from pathlib import Path
 
-from .dispatch import (
-    apply_vllm_cpu_weight_sync_fix,
-    dispatched_block_rows,
-    is_vllm_cpu,
-    reset_dispatched_block_rows,
-    vllm_cpu_weight_sync_fix_applied,
-)
+from .dispatch import apply_vllm_cpu_weight_sync_fix, is_vllm_cpu, vllm_cpu_weight_sync_fix_applied
 
 logger = logging.getLogger(__name__)
 
@@ -88,14 +82,18 @@ def _default_cache_base() -> Path:
     return Path(os.environ.get("VLLM_CACHE_ROOT", Path.home() / ".cache" / "vllm"))
 
 
-def engine_cache_root(tag: str = "", base: str | os.PathLike | None = None) -> Path:
-    """A compile-cache folder for one engine patch state (`tag`), under `base` or `VLLM_CACHE_ROOT`.
+def engine_cache_root(tag: str = "", base: str | os.PathLike | None = None, *, gemm_block_rows: int | None = None) -> Path:
+    """A compile-cache folder for one engine patch state, under `base` or `VLLM_CACHE_ROOT`.
 
-    The folder name records whether the CPU weight-sync fix is active, so a fixed engine never
-    loads a graph compiled without the fix (and the other way round).
+    vLLM's own cache key hashes its configuration and model code, not what this package decides outside them: the
+    folder name holds those decisions, so an engine never loads a graph compiled under other ones. They are whether
+    the CPU weight-sync fix is active (`wsfix`/`stock`), the build's `tag` (eager, compiled, piecewise, ...) and the
+    GEMM row-block size the dispatcher traces into the graph (`rows<N>`; a constant of the compiled code that no hashed
+    input holds: a graph traced with plain `F.linear` must not serve an engine built with 64-row blocks).
     """
     fix = "wsfix" if (is_vllm_cpu() and vllm_cpu_weight_sync_fix_applied()) else "stock"
-    name = f"roundalign-{fix}" + (f"-{tag}" if tag else "")
+    rows = f"rows{int(gemm_block_rows)}" if fix == "wsfix" and gemm_block_rows is not None else ""
+    name = "-".join(p for p in ("roundalign", fix, rows, tag) if p)
     return (Path(base) if base else _default_cache_base()) / name
 
 
@@ -163,8 +161,8 @@ def build_llm(
             `compile_sizes=[]` (set here): vLLM-CPU otherwise compiles one whole graph.
         gemm_block_rows: how the engine's linears compute (`trl_roundalign.engine.gemm`): `"auto"` measures this
             machine's GEMM for the model's shapes and uses the row-block schedule only where it is batch-variant
-            (Intel AMX), an int sets it (0: plain `F.linear`), None keeps this process's setting. Recorded as
-            `llm._roundalign_gemm_block_rows` and in `engine_info`; the training side computes the same way.
+            (Intel AMX), an int sets it (0: plain `F.linear`), None keeps this process's setting. Part of the
+            compile cache's folder name; read back from the loaded model into `engine_layout(llm).gemm_block_rows`.
         **llm_kwargs: passed to `vllm.LLM` (e.g. `compilation_config`, `gpu_memory_utilization`).
 
     Returns:
@@ -189,20 +187,18 @@ def build_llm(
             raise ValueError("piecewise=True compiles the model; it cannot be combined with enforce_eager=True.")
         llm_kwargs["compilation_config"] = piecewise_compilation_config(llm_kwargs.get("compilation_config"))
     tag = "eager" if enforce_eager else ("piecewise" if piecewise else "compiled")
-    root = engine_cache_root("-".join(t for t in (tag, cache_tag) if t))
     if max_model_len is not None:
         llm_kwargs["max_model_len"] = max_model_len
+    rows = None
     if weight_sync_fix and is_vllm_cpu() and gemm_block_rows is not None:
-        _set_engine_block_rows(model, gemm_block_rows, llm_kwargs.get("max_num_batched_tokens"))
-    reset_dispatched_block_rows()
+        rows = _decide_engine_block_rows(model, gemm_block_rows, llm_kwargs.get("max_num_batched_tokens"),
+                                         int(llm_kwargs.get("tensor_parallel_size", 1)))
+    root = engine_cache_root("-".join(t for t in (tag, cache_tag) if t), gemm_block_rows=rows)
     with scoped_cache_root(root), fresh_rope_cache(), engine_build_context(llm_kwargs.get("compilation_config")):
         llm = LLM(model=str(model), enforce_eager=enforce_eager, seed=seed, **llm_kwargs)
-    llm._roundalign_cache_root = root
-    rows = dispatched_block_rows()  # None where the linears were dispatched in worker processes (TP > 1)
-    if rows is None and weight_sync_fix and is_vllm_cpu() and llm_kwargs.get("tensor_parallel_size", 1) > 1:
-        rows = int(os.environ.get("ROUNDALIGN_GEMM_BLOCK_ROWS") or 0)  # the setting the workers inherited (gemm)
-    llm._roundalign_gemm_block_rows = rows
-    record_inductor_dir(llm)
+    from .layout import engine_layout
+
+    engine_layout(llm)  # read once, now: what the engine computes with (its workers' linears, Inductor folder, ...)
     return llm
 
 
@@ -217,25 +213,21 @@ AUTO_MEASURE_ROWS = 1024
 GEMM_MEASURE_MAX_ROWS = 2048
 
 
-def _set_engine_block_rows(model, requested: int | str, max_batched_tokens: int | None) -> int:
-    """Decide and set (`gemm.set_block_rows`) the row-block size the engine about to be built computes with."""
+def _decide_engine_block_rows(model, requested: int | str, max_batched_tokens: int | None, tp: int) -> int:
+    """`gemm.decide_block_rows` for an engine `build_llm` is about to build (an explicit size is taken as it is), and
+    handed to it (`gemm.set_block_rows`)."""
     from . import gemm
 
-    if requested != "auto":
-        gemm.set_block_rows(int(requested))
-        return int(requested)
-    from transformers import AutoConfig
+    if requested == "auto":
+        from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(str(model))
-    rows_max = min(int(max_batched_tokens or AUTO_MEASURE_ROWS), AUTO_MEASURE_ROWS)
-    try:
-        rows, report = gemm.choose_block_rows(config, rows_max)
-    except ValueError as e:
-        logger.warning("%s The engine computes with plain F.linear; exact mode will not reproduce it.", e)
-        rows = 0
-    else:
-        if rows:
+        reaches = {"the engine's prefill chunk": min(int(max_batched_tokens or AUTO_MEASURE_ROWS), AUTO_MEASURE_ROWS)}
+        rows, report = gemm.decide_block_rows(AutoConfig.from_pretrained(str(model)), "auto", reaches,
+                                              cap=AUTO_MEASURE_ROWS, tensor_parallel=tp, refuse=False)
+        if rows and report is not None:
             logger.info("GEMM here: %s; the engine computes in row blocks of %d", report.summary(), rows)
+    else:
+        rows = int(requested)
     gemm.set_block_rows(rows)
     return rows
 
@@ -270,19 +262,6 @@ def engine_build_context(compilation_config):
     piecewise = is_vllm_cpu() and wants_piecewise(compilation_config)
     with workers_weight_sync_fix(), (vllm_cpu_piecewise() if piecewise else contextlib.nullcontext()):
         yield
-
-
-def record_inductor_dir(llm) -> None:
-    """Remember where Inductor wrote this engine's generated code (read later for the reduction lanes): the engine
-    points `TORCHINDUCTOR_CACHE_DIR` at `<VLLM_CACHE_ROOT>/torch_compile_cache/torch_aot_compile/<hash>/inductor_cache`
-    while it builds (a piecewise engine's `local_cache_dir` names another folder), in its worker processes at TP > 1."""
-    path = os.environ.get("TORCHINDUCTOR_CACHE_DIR")  # at TP > 1 this process's may be inherited, from another engine
-    if llm.llm_engine.vllm_config.parallel_config.world_size > 1:
-        from .tp import worker_inductor_dir
-
-        path = llm.collective_rpc(worker_inductor_dir)[0]
-    if path and "torch_aot_compile" in path:
-        llm._roundalign_inductor_dir = path
 
 
 def close_llm(llm) -> None:

@@ -65,25 +65,6 @@ def is_vllm_cpu() -> bool:
     return bool(current_platform.is_cpu())
 
 
-_DISPATCHED_ROWS: list[int] = []  # the row-block size of every layer our dispatcher handled since the last reset
-
-
-def reset_dispatched_block_rows() -> None:
-    """Forget what `dispatched_block_rows` reports (call before building an engine)."""
-    _DISPATCHED_ROWS.clear()
-
-
-def dispatched_block_rows() -> int | None:
-    """The GEMM row-block size (0: plain `F.linear`) the engine loaded in this process since the last
-    `reset_dispatched_block_rows` computes with; None when our dispatcher handled no layer (vLLM's kernels)."""
-    sizes = set(_DISPATCHED_ROWS)
-    if not sizes:
-        return None
-    if len(sizes) > 1:
-        raise RuntimeError(f"the engine's linears were dispatched with different row-block sizes: {sorted(sizes)}")
-    return sizes.pop()
-
-
 def _live_weight_dispatch(layer: torch.nn.Module, remove_weight: bool) -> None:
     """Replacement for vLLM-CPU's GEMM dispatcher: keep the weight, compute `F.linear` on it, or the row-block
     schedule of `trl_roundalign.engine.gemm` when this process sets one (`ROUNDALIGN_GEMM_BLOCK_ROWS`)."""
@@ -94,8 +75,7 @@ def _live_weight_dispatch(layer: torch.nn.Module, remove_weight: bool) -> None:
         layer.cpu_linear = lambda x, weight, bias, _rows=rows: row_blocked_linear(x, weight, bias, _rows)
     else:
         layer.cpu_linear = lambda x, weight, bias: torch.nn.functional.linear(x, weight, bias)
-    layer._roundalign_block_rows = rows
-    _DISPATCHED_ROWS.append(rows)
+    layer._roundalign_block_rows = rows  # read back by `layout.worker_facts`: what the loaded engine computes with
 
 
 _live_weight_dispatch.__dict__[_FIX_ATTR] = True

@@ -46,6 +46,7 @@ __all__ = [
     "BatchInvarianceReport",
     "block_rows",
     "choose_block_rows",
+    "decide_block_rows",
     "cpu_kind",
     "install_row_blocked_linears",
     "linear",
@@ -65,7 +66,9 @@ DEFAULT_BLOCK_ROWS = 64
 
 
 def block_rows() -> int:
-    """This process's row-block size: 0 means plain `F.linear` (the GEMM is used as it is)."""
+    """The row-block size `set_block_rows` handed to the engine being built in this process (0: plain `F.linear`).
+    Read by the engine's GEMM dispatcher only (`dispatch._live_weight_dispatch`); everything else takes the size from
+    the engine's layout."""
     raw = os.environ.get(ENV_BLOCK_ROWS, "").strip()
     if not raw:
         return 0
@@ -79,7 +82,9 @@ def block_rows() -> int:
 
 
 def set_block_rows(rows: int) -> None:
-    """Set this process's row-block size (inherited by engine processes it starts); 0 turns row blocks off."""
+    """Hand the decided row-block size (`decide_block_rows`) to the engine about to be built: the environment is only
+    the transport into vLLM's processes (it spawns TP workers), read by its GEMM dispatcher (`dispatch`) and nowhere
+    else; what the engine then computes with is read back from its loaded model (`layout.worker_facts`)."""
     if int(rows) < 0:
         raise ValueError(f"block rows must be >= 0, got {rows}")
     os.environ[ENV_BLOCK_ROWS] = str(int(rows))
@@ -161,10 +166,9 @@ def _backward(ctx, grad):
 row_blocked_linear.register_autograd(_backward, setup_context=_setup_context)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, rows: int | None = None) -> torch.Tensor:
-    """`F.linear`, or the row-blocked schedule when `rows` (None: this process's `block_rows()`) is positive."""
-    rows = block_rows() if rows is None else rows
-    if rows <= 0:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, rows: int = 0) -> torch.Tensor:
+    """`F.linear`, or the row-blocked schedule when `rows` (the engine layout's `gemm_block_rows`) is positive."""
+    if not rows or rows <= 0:
         return F.linear(x, weight, bias)
     return row_blocked_linear(x, weight, bias, rows)
 
@@ -221,9 +225,13 @@ def model_block_rows(model: torch.nn.Module) -> int:
 # ------------------------------------------------------------------------------------------------
 
 
-def linear_shapes(config) -> dict[str, tuple[int, ...]]:
+def linear_shapes(config, tensor_parallel: int = 1) -> dict[str, tuple[int, ...]]:
     """The model's linear shapes as the engine computes them: name -> (K, N) or, for the engine's fused
-    projections, (K, N1, N2, ...) (q/k/v and gate/up are one GEMM in vLLM, separate layers in transformers)."""
+    projections, (K, N1, N2, ...) (q/k/v and gate/up are one GEMM in vLLM, separate layers in transformers).
+
+    With `tensor_parallel` > 1 also the shapes each side computes then: every engine rank's shards (column-parallel
+    layers N / tp, row-parallel ones K / tp, the vocabulary / tp) and the policy's row-parallel partial products
+    (`tp.install_tp_linears`: K / tp), named `<layer>/tp<n>`."""
     cfg = getattr(config, "text_config", None) or config
     h = int(cfg.hidden_size)
     heads = int(cfg.num_attention_heads)
@@ -239,6 +247,11 @@ def linear_shapes(config) -> dict[str, tuple[int, ...]]:
     if inter:
         shapes["gate_up_proj"] = (h, inter, inter)
         shapes["down_proj"] = (inter, h)
+    tp = int(tensor_parallel)
+    if tp > 1:
+        for name, (k, *ns) in list(shapes.items()):
+            row_parallel = name in ("o_proj", "down_proj")
+            shapes[f"{name}/tp{tp}"] = (k // tp, *ns) if row_parallel else (k, *(n // tp for n in ns))
     return shapes
 
 
@@ -295,6 +308,8 @@ class BatchInvarianceReport:
     max_rows: int
     shapes: list[ShapeResult]
     cpu: str = ""
+    # What the run reaches that the measurement did not cover (row counts above its cap), one phrase each.
+    not_covered: list[str] = field(default_factory=list)
 
     @property
     def invariant(self) -> bool:
@@ -317,6 +332,7 @@ class BatchInvarianceReport:
             "max_rows": self.max_rows,
             "invariant": self.invariant,
             "cpu": self.cpu,
+            "not_covered": list(self.not_covered),
             "shapes": [
                 {
                     "name": s.name, "k": s.k, "n": list(s.n), "rows_tried": s.rows_tried, "invariant": s.invariant,
@@ -403,14 +419,17 @@ def _cached_measure(shapes: tuple, max_rows: int, block: int) -> BatchInvariance
     return measure_batch_invariance(dict(shapes), max_rows, block_rows=block)
 
 
-def choose_block_rows(config, max_rows: int, requested: int | str = "auto") -> tuple[int, BatchInvarianceReport]:
+def choose_block_rows(
+    config, max_rows: int, requested: int | str = "auto", *, tensor_parallel: int = 1
+) -> tuple[int, BatchInvarianceReport]:
     """The row-block size exact mode needs on this machine, and the measurement that decided it.
 
-    `requested="auto"`: 0 where plain `F.linear` is batch-invariant for the model's shapes up to `max_rows`
-    rows, else `DEFAULT_BLOCK_ROWS`. An explicit size is measured as it is. Raises `ValueError` with one line
-    when the chosen schedule is not batch-invariant here (exact mode is then impossible).
+    `requested="auto"`: 0 where plain `F.linear` is batch-invariant for the model's shapes (and, at
+    `tensor_parallel` > 1, their shards) up to `max_rows` rows, else `DEFAULT_BLOCK_ROWS`. An explicit size is
+    measured as it is. Raises `ValueError` with one line when the chosen schedule is not batch-invariant here (exact
+    mode is then impossible).
     """
-    shapes = tuple(sorted(linear_shapes(config).items()))
+    shapes = tuple(sorted(linear_shapes(config, tensor_parallel).items()))
     if requested == "auto":
         plain = _cached_measure(shapes, max_rows, 0)
         if plain.invariant:
@@ -425,4 +444,38 @@ def choose_block_rows(config, max_rows: int, requested: int | str = "auto") -> t
             else "no row-block schedule makes it invariant here; use the profile without '-exact' and regions without 'attention'"
         )
         raise ValueError(f"Exact mode needs batch-invariant linear layers, and this machine's GEMM is {report.summary()}; {hint}.")
+    return rows, report
+
+
+def decide_block_rows(
+    config,
+    requested: int | str,
+    reaches: dict[str, int],
+    *,
+    cap: int,
+    tensor_parallel: int = 1,
+    refuse: bool = True,
+) -> tuple[int, BatchInvarianceReport | None]:
+    """THE decision of the row-block size both sides' linears compute with (the trainer, `build_llm` and the server
+    all call it): measured on this machine for the model's shapes, their TP shards, and every row count the run
+    reaches (`reaches`: what reaches how many rows, e.g. the training micro-batch, the engine's prefill chunk), up to
+    `cap` rows. Row counts above the cap are named in the report's `not_covered` (and logged), never passed over.
+
+    Where no schedule is batch-invariant: `refuse=True` raises the one-line `ValueError` (exact mode), else it warns
+    and returns plain `F.linear` for "auto" (or the size asked for) with no report.
+    """
+    want = max([1, *reaches.values()])
+    max_rows = min(cap, want)
+    try:
+        rows, report = choose_block_rows(config, max_rows, requested, tensor_parallel=tensor_parallel)
+    except ValueError as e:
+        if refuse:
+            raise
+        logger.warning("%s The linears compute with %s; exact mode will not reproduce the engine.", e,
+                       "plain F.linear" if requested == "auto" else f"row blocks of {int(requested)}")
+        return (0 if requested == "auto" else int(requested)), None
+    uncovered = [f"{what} reaches {n} rows (measured up to {max_rows})" for what, n in sorted(reaches.items()) if n > max_rows]
+    if uncovered:
+        report = BatchInvarianceReport(report.block_rows, report.max_rows, report.shapes, report.cpu, uncovered)
+        logger.warning("GEMM batch invariance not measured for: %s", "; ".join(uncovered))
     return rows, report

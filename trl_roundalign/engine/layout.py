@@ -1,19 +1,27 @@
-"""What the engine is: the facts of a built vLLM engine that decide how the policy must compute.
+"""What the engine is: `EngineLayout`, every fact of a vLLM engine that decides how the policy must compute.
 
-`EngineInfo` holds them; `engine_info` reads them from a built engine (or its `VllmConfig`). `cpu_vector_isa` and
-`vllm_cpu_kernel_library` name what this process's CPU code runs.
+`engine_layout` is the one reader, for a colocated engine and a server alike; `worker_facts` is what it asks the
+engine's own processes. `cpu_vector_isa` and `vllm_cpu_kernel_library` name what this process's CPU code runs.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import asdict, dataclass, field
 
 from .dispatch import is_vllm_cpu, vllm_cpu_weight_sync_fix_applied
 
 
 @dataclass
-class EngineInfo:
-    """Facts about a built engine that decide the rounding profile (read from its configuration)."""
+class EngineLayout:
+    """Every fact of the engine that the policy must reproduce, read once from the engine (`engine_layout`).
+
+    One object for a colocated engine and for a vLLM server alike: both are read by the same function from the same
+    form (the JSON a server answers at `/server_info`, which a colocated engine's configuration is turned into). The
+    trainer compares it field by field with what the policy computes (`policy_differences`), hashes the fields it
+    decides itself into the compile cache's key (`build.engine_cache_root`), records it in `run_info` and in
+    mismatch.jsonl's header, and applies it to the policy with one function (`apply_to_policy`).
+    """
 
     vllm_version: str
     platform: str
@@ -32,13 +40,23 @@ class EngineInfo:
     # The engine's context length: it decides LongRoPE's factor set (long when above the original length).
     max_model_len: int | None = None
     # The row-block size its linears compute with (`trl_roundalign.engine.gemm`; 0: plain F.linear; None: vLLM's own
-    # kernels, or not known).
+    # kernels, or not known). Read from the loaded model's linears, in the engine's own processes.
     gemm_block_rows: int | None = None
     # vLLM's model code: "auto"/"vllm" (its own modules, or its Transformers backend for a family it has no module
     # for), "transformers" (the Transformers backend asked for explicitly).
     model_impl: str = "auto"
     # Shards of every linear: a row-parallel layer sums partial products across them (an order no profile measures).
     tensor_parallel_size: int = 1
+    # The dtype of the engine's weights and activations ("bfloat16"); None where not reported.
+    dtype: str | None = None
+    # The KV cache's block size: it selects vLLM-CPU's attention kernel path.
+    kv_block_size: int | None = None
+    # The most tokens one engine step computes (its prefill chunk budget): the row counts its linears reach.
+    max_num_batched_tokens: int | None = None
+    # TP > 1: the transport the ranks' all-reduce sums with (vLLM-CPU: `_CPUSHMDistributed`), read in a worker.
+    all_reduce: str | None = None
+    # vLLM-CPU's x86 kernel library the engine's processes load (`_C`, `_C_AVX512`, `_C_AVX2`).
+    kernel_library: str | None = None
 
     @property
     def compiled(self) -> bool:
@@ -61,12 +79,11 @@ class EngineInfo:
         return d
 
 
-def _vllm_config(llm_or_config):
-    if hasattr(llm_or_config, "llm_engine"):
-        return llm_or_config.llm_engine.vllm_config
-    if hasattr(llm_or_config, "compilation_config"):
-        return llm_or_config
-    raise TypeError(f"Expected a vllm.LLM or VllmConfig, got {type(llm_or_config).__name__}.")
+EngineInfo = EngineLayout  # the name it had before it held the whole layout
+
+
+class LayoutMismatch(ValueError):
+    """A fact of the engine's layout the policy does not compute as the engine does (one line: the field, both values)."""
 
 
 def cpu_vector_isa() -> tuple[str, int] | None:
@@ -84,45 +101,156 @@ def cpu_vector_isa() -> tuple[str, int] | None:
     return str(isa), int(isa.nelements(torch.float))
 
 
-def engine_info(llm_or_config) -> EngineInfo:
-    """Read what decides the rounding profile from a built engine (or its `VllmConfig`)."""
+# The key of `additional_config` under which the package's own facts of an engine travel: a server started by
+# `trl_roundalign.weight_transfer.serve` reports them there (its /server_info shows them); a colocated engine's are read
+# from its workers (`worker_facts`) and put under the same key before the one reader parses them.
+FACTS_KEY = "roundalign_layout"
+
+
+def worker_facts(worker=None) -> dict:
+    """What an engine's worker process computes with, read inside it (`llm.collective_rpc(worker_facts)`): the
+    row-block size its linears were dispatched with (from the loaded model), its Inductor folder, its TP all-reduce
+    transport, the vector ISA and vLLM-CPU kernel library its process uses."""
+    import os
+
+    rows = None
+    model = getattr(getattr(worker, "model_runner", None), "model", None)
+    if model is not None:
+        sizes = {m._roundalign_block_rows for m in model.modules() if hasattr(m, "_roundalign_block_rows")}
+        if len(sizes) > 1:
+            raise RuntimeError(f"the engine's linears were dispatched with different row-block sizes: {sorted(sizes)}")
+        rows = sizes.pop() if sizes else None
+    from .tp import colocated_all_reduce
+
+    isa = cpu_vector_isa() if is_vllm_cpu() else None
+    return {
+        "gemm_block_rows": rows,
+        "inductor_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
+        "all_reduce": colocated_all_reduce(),
+        "cpu_isa": isa[0] if isa else None,
+        "kernel_library": vllm_cpu_kernel_library() if is_vllm_cpu() else None,
+        "weight_sync_fix": bool(is_vllm_cpu() and vllm_cpu_weight_sync_fix_applied()),
+    }
+
+
+def server_info_of(llm_or_config) -> dict:
+    """A built engine's `/server_info` (`config_format=json`), as a vLLM server answers it, with the package's facts
+    of its workers under `additional_config[FACTS_KEY]`: what `engine_layout` reads for a colocated engine."""
+    import pydantic
     import torch
     import vllm
-    from vllm.platforms import current_platform
+    from vllm.config import VllmConfig
 
-    cfg = _vllm_config(llm_or_config)
-    cc = cfg.compilation_config
-    mode = getattr(cc.mode, "name", str(cc.mode))
-    priority = {}
-    kernel_config = getattr(cfg, "kernel_config", None)
-    prio = getattr(kernel_config, "ir_op_priority", None)
-    if prio is not None:
-        for name in ("rms_norm", "fused_add_rms_norm"):
-            if hasattr(prio, name):
-                priority[name] = list(getattr(prio, name))
-    platform = "cpu" if current_platform.is_cpu() else ("cuda" if current_platform.is_cuda() else str(current_platform.device_type))
-    isa = cpu_vector_isa() if platform == "cpu" else None
-    return EngineInfo(
-        vllm_version=vllm.__version__,
-        platform=platform,
-        compile_mode=mode,
-        enforce_eager=bool(cfg.model_config.enforce_eager),
-        custom_ops=list(cc.custom_ops or []),
-        cache_dir=getattr(cc, "local_cache_dir", None) or None,
-        weight_sync_fix=is_vllm_cpu() and vllm_cpu_weight_sync_fix_applied(),
-        backend=str(getattr(cc, "backend", "") or ""),
-        splitting_ops=list(cc.splitting_ops or []),
-        use_inductor_graph_partition=bool(getattr(cc, "use_inductor_graph_partition", False)),
+    is_llm = hasattr(llm_or_config, "llm_engine")
+    cfg = llm_or_config.llm_engine.vllm_config if is_llm else llm_or_config
+    if not hasattr(cfg, "compilation_config"):
+        raise TypeError(f"Expected a vllm.LLM or VllmConfig, got {type(llm_or_config).__name__}.")
+    config = pydantic.TypeAdapter(VllmConfig).dump_python(cfg, mode="json", fallback=str)
+    facts = dict((config.get("additional_config") or {}).get(FACTS_KEY) or {})
+    if is_llm:
+        facts.update(llm_or_config.collective_rpc(worker_facts)[0])
+    else:  # a configuration without an engine: this process's facts
+        facts.update({k: v for k, v in worker_facts().items() if k not in ("gemm_block_rows", "inductor_dir")})
+    config["additional_config"] = {**(config.get("additional_config") or {}), FACTS_KEY: facts}
+    return {"vllm_config": config, "system_env": {"vllm_version": vllm.__version__, "torch_version": torch.__version__}}
+
+
+_READ: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def engine_layout(source) -> EngineLayout:
+    """THE reader of the engine's layout: from a built `vllm.LLM` (read once per engine, right after it is built, and
+    remembered), a `VllmConfig`, or a vLLM server's `/server_info` JSON (`config_format=json`).
+
+    Raises:
+        ValueError: a `/server_info` answer that does not say on which platform the engine runs (`layout_or_why`
+            returns the reason instead).
+    """
+    if isinstance(source, dict):
+        layout, why = layout_or_why(source)
+        if layout is None:
+            raise ValueError(f"The engine's layout cannot be read: {why}.")
+        return layout
+    if hasattr(source, "llm_engine"):
+        if source not in _READ:
+            _READ[source] = layout_or_why(server_info_of(source))[0]
+        return _READ[source]
+    return layout_or_why(server_info_of(source))[0]
+
+
+def engine_info(llm_or_config) -> EngineLayout:
+    """`engine_layout` of a built engine (or its `VllmConfig`): the name the reader had before."""
+    return engine_layout(llm_or_config)
+
+
+def _int_or_none(value) -> int | None:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _dtype_name(value) -> str | None:
+    if value in (None, "", "auto"):
+        return None
+    return str(value).removeprefix("torch.")
+
+
+def layout_or_why(server_info: dict) -> tuple[EngineLayout | None, str]:
+    """`(EngineLayout or None, why)` from a `/server_info` JSON answer (a server's, or `server_info_of` an engine's).
+
+    The platform comes from `device_config.device`; an answer that does not name it gives None with the reason: the
+    caller must not assume one. Facts the answer does not hold stay None (unknown), never guessed.
+    """
+    cfg = server_info.get("vllm_config") if isinstance(server_info, dict) else None
+    if not isinstance(cfg, dict):
+        return None, "its /server_info has no vllm_config in JSON form"
+    system = server_info.get("system_env") or {}
+    device = str((cfg.get("device_config") or {}).get("device") or "").split(":")[0]
+    if device in ("", "auto", "None"):
+        return None, f"its /server_info names no device (device_config: {cfg.get('device_config')!r})"
+    cc = cfg.get("compilation_config") or {}
+    mode = cc.get("mode")
+    if isinstance(mode, int):
+        from vllm.config import CompilationMode
+
+        mode = CompilationMode(mode).name
+    priority = {
+        k: list(v) for k, v in ((cfg.get("kernel_config") or {}).get("ir_op_priority") or {}).items()
+        if k in ("rms_norm", "fused_add_rms_norm") and v is not None
+    }
+    model = cfg.get("model_config") or {}
+    extra = cfg.get("additional_config") or {}
+    facts = extra.get(FACTS_KEY) or {}
+    rows = facts.get("gemm_block_rows", extra.get("roundalign_gemm_block_rows"))  # the older servers' key
+    info = EngineLayout(
+        vllm_version=str(system.get("vllm_version") or ""),
+        platform=device,
+        compile_mode=str(mode),
+        enforce_eager=bool(model.get("enforce_eager")),
+        custom_ops=list(cc.get("custom_ops") or []),
+        cache_dir=cc.get("local_cache_dir") or None,
+        weight_sync_fix=bool(facts.get("weight_sync_fix", False)),
+        backend=str(cc.get("backend") or ""),
+        splitting_ops=list(cc.get("splitting_ops") or []),
+        use_inductor_graph_partition=bool(cc.get("use_inductor_graph_partition")),
         ir_op_priority=priority,
-        torch_version=torch.__version__,
-        inductor_dir=getattr(llm_or_config, "_roundalign_inductor_dir", None),
-        cpu_isa=isa[0] if isa else None,
-        max_model_len=int(cfg.model_config.max_model_len),
-        gemm_block_rows=getattr(llm_or_config, "_roundalign_gemm_block_rows", None),
-        model_impl=str(getattr(cfg.model_config.model_impl, "value", cfg.model_config.model_impl) or "auto"),
-        tensor_parallel_size=int(cfg.parallel_config.tensor_parallel_size),
+        torch_version=str(system.get("torch_version") or ""),
+        inductor_dir=facts.get("inductor_dir") if "torch_aot_compile" in str(facts.get("inductor_dir")) else None,
+        cpu_isa=facts.get("cpu_isa"),
+        max_model_len=_int_or_none(model.get("max_model_len")),
+        gemm_block_rows=_int_or_none(rows),
+        model_impl=str(model.get("model_impl") or "auto"),
+        tensor_parallel_size=_int_or_none((cfg.get("parallel_config") or {}).get("tensor_parallel_size")) or 1,
+        dtype=_dtype_name(model.get("dtype")),
+        kv_block_size=_int_or_none((cfg.get("cache_config") or {}).get("block_size")),
+        max_num_batched_tokens=_int_or_none((cfg.get("scheduler_config") or {}).get("max_num_batched_tokens")),
+        all_reduce=facts.get("all_reduce"),
+        kernel_library=facts.get("kernel_library"),
     )
-
+    if mode is None and not info.enforce_eager:
+        return info, f"{device}, compile mode not reported"
+    return info, f"{device}, {'compiled' if info.compiled else 'eager'} ({info.compile_mode})"
 
 
 def vllm_cpu_kernel_library() -> str:
@@ -139,3 +267,65 @@ def vllm_cpu_kernel_library() -> str:
     if torch.cpu._is_avx512_supported():
         return "_C" if torch.cpu._is_avx512_bf16_supported() else "_C_AVX512"
     return "_C_AVX2"
+
+
+def apply_to_policy(model, layout: EngineLayout | None, *, tensor_parallel: int = 1) -> None:
+    """Make `model` (the policy, or the reference model) compute its linears as the engine's do: the engine's GEMM
+    row blocks (`gemm.install_row_blocked_linears`; none where the layout has none) and its row-parallel sums at
+    `tensor_parallel` > 1 (the engine's TP size where the aligned regions are on; `tp.install_tp_linears`, after the
+    row blocks, whose forward it replaces on o_proj/down_proj). The one function that applies the layout."""
+    from .gemm import install_row_blocked_linears
+    from .tp import install_tp_linears
+
+    if layout is None:
+        return
+    rows = int(layout.gemm_block_rows or 0)
+    install_row_blocked_linears(model, rows)  # 0 removes a schedule an earlier layout installed
+    if tensor_parallel > 1 or any(getattr(m, "__dict__", {}).get("_roundalign_tp") for m in model.modules()):
+        install_tp_linears(model, tensor_parallel, rows)
+
+
+def policy_facts(model) -> dict:
+    """What `model` computes with, read back from it: its parameters' dtype, the row-block size its linears compute
+    with (0: plain `F.linear`; "mixed" where they differ) and the TP size its row-parallel linears sum as (1: none)."""
+    import torch
+
+    from .gemm import _MARK as ROWS
+    from .tp import _MARK as TP
+
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    rows = {m.__dict__.get(ROWS, 0) for m in linears} or {0}
+    tps = {m.__dict__[TP][0] for m in linears if TP in m.__dict__} or {1}
+    return {
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "gemm_block_rows": rows.pop() if len(rows) == 1 else "mixed",
+        "tensor_parallel_size": tps.pop() if len(tps) == 1 else "mixed",
+    }
+
+
+# The layout's fields the policy reproduces (compared at start-up), and what to do where one differs.
+_REPRODUCED = {
+    "dtype": "load the policy in the engine's dtype (model_init_kwargs={{'dtype': '{engine}'}}) or run the engine in "
+             "the policy's (vllm_engine_kwargs={{'dtype': '{policy}'}}, or the server's --dtype {policy})",
+    "gemm_block_rows": "build the trainer in a fresh process (something else changed the policy's linears)",
+    "tensor_parallel_size": "build the trainer in a fresh process (something else changed the policy's linears)",
+}
+
+
+def layout_differences(layout: EngineLayout, facts: dict, *, tensor_parallel: bool, fields=None) -> list[str]:
+    """One line per field of `layout` the policy (`policy_facts`) does not compute as the engine does; unknown engine
+    facts (None) compare with nothing. `tensor_parallel`: whether the policy reproduces the engine's TP sums (the
+    aligned regions are on). `fields`: only these (default: every field the policy reproduces)."""
+    engine = {
+        "dtype": layout.dtype,
+        "gemm_block_rows": int(layout.gemm_block_rows or 0),
+        "tensor_parallel_size": int(layout.tensor_parallel_size or 1) if tensor_parallel else 1,
+    }
+    out = []
+    for name, value in engine.items():
+        if fields is not None and name not in fields:
+            continue
+        if value is not None and facts.get(name) != value:
+            how = _REPRODUCED[name].format(engine=value, policy=facts.get(name))
+            out.append(f"The engine layout's {name} is {value} but the policy computes with {facts.get(name)}: {how}.")
+    return out

@@ -74,13 +74,13 @@ def profile_for_engine(info: EngineInfo, *, tensor_parallel: bool = False) -> st
     if info.tensor_parallel_size != 1:  # row-parallel linears sum the shards' partial products (trl_roundalign.engine.tp)
         from .tp import tp_refusal
 
-        lib = vllm_cpu_kernel_library() if info.platform == "cpu" else None
+        lib = (info.kernel_library or vllm_cpu_kernel_library()) if info.platform == "cpu" else None
         if why := tp_refusal(info, aligned=tensor_parallel, library=lib):
             refuse(f"tensor parallel size is {info.tensor_parallel_size}: {why}")
     if not info.compiled:
         if info.platform != "cpu":
             return "vllm-eager"
-        library = vllm_cpu_kernel_library()
+        library = info.kernel_library or vllm_cpu_kernel_library()  # the engine's own processes, where it reports them
         if library in EAGER_CPU_PROFILES:
             return EAGER_CPU_PROFILES[library]
         refuse(f"eager kernels come from vLLM-CPU's {library} library (measured: {', '.join(EAGER_CPU_PROFILES)})")

@@ -47,7 +47,6 @@ __all__ = [
     "remove_tp_linears",
     "row_parallel_linear",
     "tp_refusal",
-    "worker_inductor_dir",
 ]
 
 # The row-parallel projections of the families measured at TP=2 (Qwen3, Llama: the decoder layer vLLM runs with
@@ -88,11 +87,11 @@ def linear_grads(ctx, grad):
 
 
 def row_parallel_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tp: int, rows: int | None = None
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tp: int, rows: int = 0
 ) -> torch.Tensor:
     """`x @ weight.T + bias` as a TP=`tp` engine's row-parallel layer computes it: `tp` bf16 partial products over
     contiguous K slices (bias in the first), summed in fp32 and rounded once. `rows`: the GEMM's row blocks
-    (`trl_roundalign.engine.gemm`; None: this process's setting)."""
+    (`trl_roundalign.engine.gemm`; 0: plain `F.linear`)."""
     if weight.shape[1] % tp:
         raise ValueError(f"the inner dimension {weight.shape[1]} does not split into {tp} equal shards")
     if tp == 1:
@@ -107,12 +106,12 @@ def _tp_forward(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return row_parallel_linear(x, module.weight, module.bias, tp, rows)
 
 
-def install_tp_linears(model: torch.nn.Module, tp: int, rows: int | None = None) -> int:
+def install_tp_linears(model: torch.nn.Module, tp: int, rows: int = 0) -> int:
     """Make the row-parallel linears of `model` (`ROW_PARALLEL` for its family) compute as a TP=`tp` engine's do.
 
     Installs an instance `forward` (no parameter is added or replaced: TRL's weight sync and the optimizer keep
-    their references; the live weight is sliced at every call). `rows` is the engine's GEMM row-block size (None:
-    this process's `gemm.block_rows()` at each call). Call it after `gemm.install_row_blocked_linears`, whose
+    their references; the live weight is sliced at every call). `rows` is the engine's GEMM row-block size (its
+    layout's `gemm_block_rows`; 0: plain `F.linear`). Call it after `gemm.install_row_blocked_linears`, whose
     forward it replaces on these layers. Returns the number of layers; `tp=1` removes the form.
 
     Raises:
@@ -126,6 +125,10 @@ def install_tp_linears(model: torch.nn.Module, tp: int, rows: int | None = None)
             f"TP alignment is measured for {sorted(ROW_PARALLEL)} at tensor_parallel_size in {MEASURED_TP}; "
             f"got model_type={model_type!r}, tp={tp}."
         )
+    wrapped = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                      if name.rsplit(".", 1)[-1] in ROW_PARALLEL[model_type] and not isinstance(module, torch.nn.Linear)})
+    if wrapped:
+        raise ValueError(tp_lora_refusal(wrapped, tp))
     n = 0
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in ROW_PARALLEL[model_type]:
@@ -137,6 +140,30 @@ def install_tp_linears(model: torch.nn.Module, tp: int, rows: int | None = None)
     if not n:
         raise ValueError(f"no row-parallel layer ({', '.join(ROW_PARALLEL[model_type])}) found in this model")
     return n
+
+
+def tp_lora_refusal(layers, tp: int) -> str:
+    """The one line that refuses LoRA on a row-parallel layer at TP > 1: a PEFT-wrapped layer (`o_proj` becomes a LoRA
+    module around `o_proj.base_layer`) is not computed as the engine's ranks sum it, so the policy would silently
+    leave it unsharded."""
+    return (
+        f"LoRA targets the row-parallel layer(s) {', '.join(layers)}, which a tensor_parallel_size={tp} engine sums "
+        "across its ranks: the PEFT-wrapped layers' sums are not reproduced. Leave them out of target_modules (e.g. "
+        "target_modules=['q_proj', 'k_proj', 'v_proj', 'gate_proj', 'up_proj']) or run the engine at TP=1."
+    )
+
+
+def lora_targets_row_parallel(peft_config, model_type: str | None) -> list[str]:
+    """The row-parallel layers (`ROW_PARALLEL`) a PEFT config's `target_modules` reach ("all-linear" reaches them all)."""
+    targets = getattr(peft_config, "target_modules", None)
+    layers = ROW_PARALLEL.get(model_type or "", ("o_proj", "down_proj"))
+    if targets is None:
+        return []
+    if isinstance(targets, str):
+        import re
+
+        return list(layers) if targets == "all-linear" else [n for n in layers if re.fullmatch(targets, n) or re.search(targets, n)]
+    return [n for n in layers if n in set(targets)]
 
 
 def remove_tp_linears(model: torch.nn.Module) -> int:
@@ -336,12 +363,6 @@ def cpu_threads_bind(tp: int) -> str:
     return "|".join(
         str(c[0]) if len(c) == 1 else f"{c[0]}-{c[-1]}" if c[-1] - c[0] == len(c) - 1 else ",".join(map(str, c)) for c in ranks
     )
-
-
-def worker_inductor_dir(worker) -> str | None:
-    """A TP engine's worker's `TORCHINDUCTOR_CACHE_DIR` (`engine.record_inductor_dir` asks it by `collective_rpc`:
-    with the multiprocess executor the ranks compile in their own processes)."""
-    return os.environ.get("TORCHINDUCTOR_CACHE_DIR")
 
 
 def colocated_all_reduce() -> str | None:

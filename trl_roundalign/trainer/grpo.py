@@ -31,24 +31,17 @@ from ..engine import (
     close_colocated_engine,
     engine_build_context,
     engine_cache_root,
-    engine_info,
+    engine_layout,
     exact_profile_for,
     fresh_rope_cache,
     inductor_reduction_lanes,
     piecewise_compilation_config,
     profile_for_engine,
-    record_inductor_dir,
     scoped_cache_root,
     wants_piecewise,
 )
-from ..engine.dispatch import (
-    apply_vllm_cpu_weight_sync_fix,
-    dispatched_block_rows,
-    is_vllm_cpu,
-    reset_dispatched_block_rows,
-)
-from ..engine.gemm import install_row_blocked_linears
-from ..engine.tp import install_tp_linears
+from ..engine.dispatch import apply_vllm_cpu_weight_sync_fix, is_vllm_cpu
+from ..engine.layout import LayoutMismatch, apply_to_policy, layout_differences, policy_facts
 from ..patching import apply_roundalign, get_patch_report, restore_fp32_rope_frequencies
 from ..profiles import is_exact
 from .callbacks import MismatchCallback
@@ -56,7 +49,7 @@ from .config import RoundAlignGRPOConfig
 from .logprobs import install as install_sampler_logprobs
 from .logprobs import sampler_logprobs
 from .logprobs import supports as logprobs_supports
-from .masters import MasterWeightsOptimizer, aligned_fsdp2_policy, distributed_master_weights, noop_comm_hook
+from .masters import MasterWeightsOptimizer, aligned_fsdp2_policy, distributed_precision, noop_comm_hook
 from .options import check_options
 
 logger = logging.getLogger(__name__)
@@ -88,22 +81,6 @@ def check_trl_internals(cls=GRPOTrainer) -> None:
                 f"trl {trl.__version__}: GRPOTrainer.{name}{tuple(have)} no longer takes {params} first; "
                 "trl-roundalign was built against trl 1.16. Install trl==1.16.*."
             )
-
-
-def _distributed_precision(accelerator) -> tuple[str | None, bool, str]:
-    """`optim.distributed_master_weights` from the accelerator's actual DeepSpeed/FSDP settings."""
-    if accelerator is None:
-        return None, False, ""
-    state = accelerator.state
-    ds_plugin = getattr(state, "deepspeed_plugin", None)
-    fsdp_plugin = getattr(state, "fsdp_plugin", None)
-    policy = getattr(fsdp_plugin, "mixed_precision_policy", None)
-    return distributed_master_weights(
-        str(accelerator.distributed_type),
-        str(accelerator.mixed_precision),
-        deepspeed_config=getattr(ds_plugin, "deepspeed_config", None),
-        fsdp_param_dtype=getattr(policy, "param_dtype", None),
-    )
 
 
 @contextlib.contextmanager
@@ -180,6 +157,7 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
             model = os.fspath(model)  # a checkpoint directory, e.g. what `build_tiny_model` returns
         args = self._upgrade_args(model, args)
         self._check_options(model, args)
+        self._check_tp_lora(model, args, kwargs.get("peft_config"))
         self._roundalign_capture = False
         self._roundalign_seen: dict[int, weakref.ref] = {}
         self._mismatch_callback: MismatchCallback | None = None
@@ -204,14 +182,17 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
         if piecewise:
             # vLLM's CUDA default, asked for explicitly; on vLLM-CPU it needs the compat shim and compile_sizes=[].
             engine_kwargs["compilation_config"] = piecewise_compilation_config(engine_kwargs["compilation_config"])
-        self._roundalign_gemm_rows, self._roundalign_gemm_report = 0, None
-        self._roundalign_tp = 1  # a TP > 1 engine's row-parallel sums, read from it (colocate; verify_server.server_tp)
+        # The engine's layout (`engine.layout.EngineLayout`), read once from the colocated engine or the server: the one
+        # home of every engine fact the policy reproduces (row blocks, TP, dtype, ...).
+        self.roundalign_layout = None
+        self._roundalign_colocated = colocate
+        self._roundalign_gemm_report = None
+        planned_rows = None
         if colocate:
             apply_vllm_cpu_weight_sync_fix()
             if is_vllm_cpu():
-                # Before the engine loads: its linears (our dispatcher) read the row-block size from the process.
-                self._roundalign_gemm_rows, self._roundalign_gemm_report = self._decide_gemm_rows(model, args)
-                reset_dispatched_block_rows()
+                # Before the engine loads: its linears (our dispatcher) take the decided row-block size at load.
+                planned_rows, self._roundalign_gemm_report = self._decide_gemm_rows(model, args, engine_kwargs)
             if is_vllm_cpu() and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
                 # vLLM-CPU otherwise reserves a large share of host RAM for its KV cache (6.8 GB for a toy model).
                 os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
@@ -221,13 +202,12 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
                 )
             tag = "eager" if engine_kwargs.get("enforce_eager") else ("piecewise" if piecewise else "compiled")
             if "VLLM_CACHE_ROOT" not in os.environ or is_vllm_cpu():
-                cache_ctx = scoped_cache_root(engine_cache_root(tag))
+                cache_ctx = scoped_cache_root(engine_cache_root(tag, gemm_block_rows=planned_rows))
         rope_ctx = fresh_rope_cache() if colocate else contextlib.nullcontext()
         build_ctx = engine_build_context(engine_kwargs.get("compilation_config")) if colocate else contextlib.nullcontext()
         with cache_ctx, rope_ctx, build_ctx, _engine_options(engine_kwargs if colocate else None), _server_client(args):
             super().__init__(model, reward_funcs, args, *posargs, **kwargs)
 
-        self.roundalign_engine = None
         self.roundalign_verification = None
         self._roundalign_lanes = None
         try:
@@ -242,20 +222,16 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
                         n = install_merged_lora_forward(self.model)
                         logger.info("LoRA forward: %d layers compute with the merged weight vLLM receives", n)
             if colocate:
-                llm = self.vllm_generation.llm
-                if is_vllm_cpu():
-                    engine_rows = dispatched_block_rows()
-                    if (engine_rows or 0) != self._roundalign_gemm_rows:
-                        raise RuntimeError(
-                            f"The colocated engine's linears compute with row blocks of {engine_rows} rows, not the "
-                            f"{self._roundalign_gemm_rows} decided for this run: something else set "
-                            "ROUNDALIGN_GEMM_BLOCK_ROWS or loaded the engine. Build the trainer in a fresh process."
-                        )
-                    llm._roundalign_gemm_block_rows = engine_rows
-                record_inductor_dir(llm)
-                self.roundalign_engine = engine_info(llm)
-                if args.roundalign_regions:  # TP > 1 (one rank per training process): the policy sums as the ranks do
-                    self._roundalign_tp = int(self.roundalign_engine.tensor_parallel_size or 1)
+                self.roundalign_layout = engine_layout(self.vllm_generation.llm)
+                engine_rows = self.roundalign_layout.gemm_block_rows
+                if planned_rows is not None and (engine_rows or 0) != planned_rows:
+                    raise RuntimeError(
+                        f"The colocated engine's linears compute with row blocks of {engine_rows} rows, not the "
+                        f"{planned_rows} decided for this run: something else loaded the engine's linears. Build the "
+                        "trainer in a fresh process."
+                    )
+            elif args.use_vllm and args.vllm_mode == "server" and args.roundalign_regions:
+                self.roundalign_layout = self._server_check(args).layout()[0]
             self._roundalign_sampler_logprobs = False
             if args.roundalign_regions:
                 why_not = logprobs_supports(self.model)
@@ -265,8 +241,9 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
                 else:
                     logger.warning("log-probs: TRL's fused LM head, not the sampler's formula (%s)", why_not)
             self.roundalign_profile = self._resolve_profile(args)
-            self._check_dtypes()
+            self._check_layout(fields=("dtype",))  # what the policy was loaded in, before anything is patched
             self.roundalign_report = self._install_patches(args)
+            self._check_layout()  # the whole layout, read back from the patched policy
             if args.roundalign_verify_profile:
                 # Scoring the engine runs it and the policy: neither may move the random state the first generation
                 # samples from, or turning alignment on would change what is sampled from step 1 on.
@@ -302,6 +279,36 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
     def __exit__(self, *exc) -> None:
         self.close()
 
+    # ------------------------------------------------------------------ the engine's layout
+
+    @property
+    def roundalign_engine(self):
+        """The colocated engine's layout (`EngineLayout`); None in server mode (see `roundalign_layout`)."""
+        return self.roundalign_layout if getattr(self, "_roundalign_colocated", False) else None
+
+    @property
+    def _gemm_rows(self) -> int:
+        """The row-block size the engine's linears compute with, which the policy's reproduce (0: plain F.linear)."""
+        layout = getattr(self, "roundalign_layout", None)
+        return int(layout.gemm_block_rows or 0) if layout is not None else 0
+
+    @property
+    def _tp(self) -> int:
+        """The engine's tensor-parallel size the policy's row-parallel linears sum as (1 without aligned regions)."""
+        layout = getattr(self, "roundalign_layout", None)
+        if layout is None or not self.args.roundalign_regions:
+            return 1
+        return int(layout.tensor_parallel_size or 1)
+
+    def _server_check(self, args):
+        if getattr(self, "_roundalign_server", None) is None:
+            from .server_check import ServerCheck
+
+            self._roundalign_server = ServerCheck(
+                self.vllm_generation, args.vllm_server_base_url, getattr(self.model.config, "model_type", None)
+            )
+        return self._roundalign_server
+
     # ------------------------------------------------------------------ setup
 
     @staticmethod
@@ -321,20 +328,36 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
     def _check_options(model, args: RoundAlignGRPOConfig) -> None:
         check_options(model, args)  # trl_roundalign.trainer.options: every refusal that needs no engine
 
+    @staticmethod
+    def _check_tp_lora(model, args: RoundAlignGRPOConfig, peft_config) -> None:
+        """LoRA on a row-parallel layer with a colocated TP > 1 engine: refused before anything loads (in server mode
+        the server's TP size is known only from its /server_info, and `tp.install_tp_linears` refuses it there)."""
+        from ..engine.tp import lora_targets_row_parallel, tp_lora_refusal
+
+        tp = int(args.vllm_tensor_parallel_size or 1)
+        if peft_config is None or tp <= 1 or not args.roundalign_regions or not args.use_vllm or args.vllm_mode != "colocate":
+            return
+        if isinstance(model, str):
+            from transformers import AutoConfig
+
+            model_type = getattr(AutoConfig.from_pretrained(model), "model_type", None)
+        else:
+            model_type = getattr(getattr(model, "config", None), "model_type", None)
+        if layers := lora_targets_row_parallel(peft_config, model_type):
+            raise ValueError(tp_lora_refusal(layers, tp))
+
     def _resolve_profile(self, args: RoundAlignGRPOConfig) -> str:
         wants_exact = "attention" in args.roundalign_regions
+        server = args.use_vllm and args.vllm_mode == "server"
         if args.roundalign_profile != "auto":
-            if args.use_vllm and args.vllm_mode == "server" and not args.roundalign_verify_profile:
-                from .server_check import server_layout_unverified
-
-                server_layout_unverified(self, args)  # the server's row blocks and TP layout: nothing else reads them
+            if server and not args.roundalign_verify_profile:
+                self.roundalign_layout = self._server_check(args).unverified_layout()
             return args.roundalign_profile
         if not args.use_vllm:
             return "none"  # no engine to align with (regions are refused without one): HF's own rounding
-        if self.roundalign_engine is None:  # server mode: what the server reports at /server_info
-            from .server_check import server_profile
-
-            profile = server_profile(self, args)
+        if server:  # what the server reports at /server_info
+            self.roundalign_layout = self._server_check(args).layout()[0]
+            profile = self._server_check(args).profile()
             if wants_exact:
                 raise ValueError(
                     f"Exact mode (region 'attention') needs the engine's reduction lanes, read from its compiled code, "
@@ -343,7 +366,7 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
                 )
             return profile
         # A TP > 1 engine passes where its layout is measured; the trainer then computes the TP form (_install_patches).
-        profile = profile_for_engine(self.roundalign_engine, tensor_parallel=self._roundalign_tp > 1)
+        profile = profile_for_engine(self.roundalign_engine, tensor_parallel=self._tp > 1)
         if wants_exact:
             if not self.roundalign_engine.compiled or self.roundalign_engine.platform != "cpu":
                 raise ValueError(
@@ -353,17 +376,16 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
             profile = exact_profile_for(profile)
         return profile
 
-    def _check_dtypes(self) -> None:
-        if self.roundalign_engine is None:
+    def _check_layout(self, fields=None) -> None:
+        """The start-up comparison of the engine's layout, whole, with what the policy computes (read back from it):
+        a field that differs stops the run with one line naming it and both values (`engine.layout.layout_differences`).
+        Default BF16 (no regions) is the stock trainer and aligns nothing."""
+        layout = self.roundalign_layout
+        if not self.args.roundalign_regions or layout is None:
             return
-        engine_dtype = self.vllm_generation.llm.llm_engine.model_config.dtype
-        model_dtype = next(self.model.parameters()).dtype
-        if self.args.roundalign_regions and engine_dtype != model_dtype:
-            raise ValueError(
-                f"The trainer's policy is {model_dtype} but the vLLM engine runs {engine_dtype}: that gap dwarfs any "
-                "rounding alignment. Load the policy in the engine's dtype (model_init_kwargs={'dtype': 'bfloat16'}) "
-                "or set the engine's dtype with vllm_engine_kwargs={'dtype': ...}."
-            )
+        differences = layout_differences(layout, policy_facts(self.model), tensor_parallel=True, fields=fields)
+        if differences:
+            raise LayoutMismatch(differences[0])
 
     def _engine_lanes(self):
         """The colocated engine's reduction lanes (read once), or None without a compiled vLLM-CPU engine."""
@@ -399,29 +421,25 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
                 engine_max_model_len=self.roundalign_engine.max_model_len if self.roundalign_engine is not None else None,
             )
             report = report or report_t
-            if self._roundalign_gemm_rows:
-                install_row_blocked_linears(target, self._roundalign_gemm_rows)
-            if self._roundalign_tp > 1:  # after the row blocks, whose forward it replaces on o_proj/down_proj
-                install_tp_linears(target, self._roundalign_tp, self._roundalign_gemm_rows)
+            apply_to_policy(target, self.roundalign_layout, tensor_parallel=self._tp)
         logger.info("RoundAlignGRPOTrainer: %s", report)
-        if self._roundalign_gemm_rows:
-            logger.info("linear layers: row blocks of %d rows on both sides", self._roundalign_gemm_rows)
+        if self._gemm_rows:
+            logger.info("linear layers: row blocks of %d rows on both sides", self._gemm_rows)
         return report
 
     @staticmethod
-    def _decide_gemm_rows(model, args: RoundAlignGRPOConfig):
-        """The row-block size both sides' linears use (`trl_roundalign.engine.gemm`), and the measurement behind it.
-
-        Measured for the model's linear shapes and every row count up to the training batch's tokens (capped at
-        `GEMM_MEASURE_MAX_ROWS`): where plain `F.linear` is batch-invariant, 0 (nothing changes); else the row-block
-        schedule, itself measured invariant. Exact mode refuses, in one line, where neither is; the other modes warn
-        (their start-up check decides by exact refinements, which then cannot reproduce the engine).
-        """
+    def _decide_gemm_rows(model, args: RoundAlignGRPOConfig, engine_kwargs: dict):
+        """The row-block size both sides' linears use, and the measurement behind it (`engine.gemm.decide_block_rows`,
+        the one decision): the model's linear shapes, their shards at the engine's TP size, and the row counts the run
+        reaches (the training micro-batch's tokens, the engine's prefill chunk), measured up to `GEMM_MEASURE_MAX_ROWS`
+        rows; what lies above is named in the report. Exact mode refuses, in one line, where no schedule is
+        batch-invariant; the other modes warn (their start-up check decides by exact refinements, which then cannot
+        reproduce the engine). Default BF16 is the stock trainer: plain F.linear, nothing measured."""
         from ..engine import gemm
 
         requested = args.roundalign_gemm_block_rows
         if not args.roundalign_regions and requested == "auto":
-            gemm.set_block_rows(0)  # default BF16 is the stock trainer: nothing is aligned, the GEMM neither
+            gemm.set_block_rows(0)
             return 0, None
         if isinstance(model, str):
             from transformers import AutoConfig
@@ -431,19 +449,13 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
             config = getattr(model, "config", None)
         completion = int(args.max_completion_length or 256)
         length = int(args.vllm_max_model_length or (completion + 512))
-        max_rows = max(AUTO_MEASURE_ROWS, min(GEMM_MEASURE_MAX_ROWS, int(args.per_device_train_batch_size) * length))
-        try:
-            rows, report = gemm.choose_block_rows(config, max_rows, requested)
-        except ValueError as e:
-            if "attention" in args.roundalign_regions:
-                raise
-            rows, report = (0 if requested == "auto" else int(requested)), None
-            warnings.warn(
-                f"{e} The start-up check's exact refinements will not reproduce the engine either; "
-                "roundalign_verify_profile=False trains unverified.",
-                UserWarning,
-                stacklevel=3,
-            )
+        reaches = {"the training micro-batch": int(args.per_device_train_batch_size) * length}
+        if engine_kwargs.get("max_num_batched_tokens"):
+            reaches["the engine's prefill chunk"] = int(engine_kwargs["max_num_batched_tokens"])
+        rows, report = gemm.decide_block_rows(
+            config, requested, reaches, cap=max(AUTO_MEASURE_ROWS, GEMM_MEASURE_MAX_ROWS),
+            tensor_parallel=int(args.vllm_tensor_parallel_size or 1), refuse="attention" in args.roundalign_regions,
+        )
         gemm.set_block_rows(rows)
         if report is not None:
             logger.info("GEMM on this machine: %s", report.summary())
@@ -484,10 +496,20 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
         return result
 
     def _verify_profile_server(self, args: RoundAlignGRPOConfig):
-        """Server mode's start-up check (`verify_server.verify_server_profile`)."""
-        from .server_check import verify_server_profile
-
-        return verify_server_profile(self, args)
+        """Server mode's start-up check (`server_check.ServerCheck.verify`) on the policy computing with the server's
+        layout. The server may still hold another run's weights: push the policy's first (every process takes part, as
+        before a generation), then score; the first step's generation need not push them again."""
+        check = self._server_check(args)
+        self.roundalign_layout = check.layout()[0]
+        self.vllm_generation.sync_weights()
+        self._last_loaded_step = self.state.global_step
+        self.roundalign_report = self._install_patches(args)  # the server's row blocks and TP sums on the policy
+        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
+        try:
+            return check.verify(self.model, tokenizer, profile=self.roundalign_profile, regions=args.roundalign_regions,
+                                backend=args.roundalign_backend)
+        finally:
+            self.roundalign_report = self._install_patches(args)
 
     def roundalign_run_info(self) -> dict:
         """Versions, engine mode, profile and regions: the first line of the mismatch JSONL."""
@@ -509,18 +531,16 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
             "model_dtype": str(next(self.model.parameters()).dtype),
             "fp32_master_weights": self._uses_master_weights(),
         }
-        if self.roundalign_engine is not None:
-            info["engine"] = self.roundalign_engine.as_dict()
+        if self.roundalign_layout is not None:  # the engine's whole layout, colocated engine or server
+            info["engine"] = self.roundalign_layout.as_dict()
         info["logprobs"] = "vllm-sampler" if getattr(self, "_roundalign_sampler_logprobs", False) else "trl-fused-head"
         info["gemm"] = {
-            "block_rows": self._roundalign_gemm_rows,
+            "block_rows": self._gemm_rows,
             "measured": self._roundalign_gemm_report.as_dict() if self._roundalign_gemm_report is not None else None,
         }
-        info["tensor_parallel_size"] = self._roundalign_tp  # >1: the row-parallel linears sum the engine's shards
-        if self._roundalign_tp > 1 and self.roundalign_engine is not None:  # colocate: the ranks' all-reduce transport
-            from ..engine.tp import colocated_all_reduce
-
-            info["all_reduce"] = colocated_all_reduce()
+        info["tensor_parallel_size"] = self._tp  # >1: the row-parallel linears sum the engine's shards
+        if self._tp > 1 and self.roundalign_layout is not None:  # the ranks' all-reduce transport, read from a worker
+            info["all_reduce"] = self.roundalign_layout.all_reduce
         if self.roundalign_verification is not None:
             info["verification"] = self.roundalign_verification.as_dict()
         report = get_patch_report(self.model) if self.args.roundalign_regions or self.args.roundalign_positions_from_mask else None
@@ -555,7 +575,7 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
         return any(p.dtype in (torch.bfloat16, torch.float16) for p in self.model.parameters() if p.requires_grad)
 
     def _uses_master_weights(self) -> bool:
-        engine, _, _ = _distributed_precision(getattr(self, "accelerator", None))
+        engine, _, _ = distributed_precision(getattr(self, "accelerator", None))
         return self._has_low_precision_params() and engine is None and self.args.roundalign_fp32_master_weights
 
     def create_optimizer(self, model=None):
@@ -564,7 +584,7 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
         # A second train() finds accelerate's AcceleratedOptimizer around the master optimizer: reuse it as it is.
         if not low or isinstance(getattr(optimizer, "optimizer", optimizer), MasterWeightsOptimizer):
             return optimizer
-        engine, keeps, why = _distributed_precision(getattr(self, "accelerator", None))
+        engine, keeps, why = distributed_precision(getattr(self, "accelerator", None))
         if engine is not None:
             if keeps:
                 logger.info("fp32 master weights: kept by %s (%s)", engine, why)
@@ -623,7 +643,7 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         scope = (
-            sampler_logprobs(self._roundalign_gemm_rows) if getattr(self, "_roundalign_sampler_logprobs", False)
+            sampler_logprobs(self._gemm_rows) if getattr(self, "_roundalign_sampler_logprobs", False)
             else contextlib.nullcontext()
         )
         with scope:

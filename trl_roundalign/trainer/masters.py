@@ -308,3 +308,19 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"MasterWeightsOptimizer(fp32 masters, inner={self.inner.__class__.__name__})"
+
+
+def distributed_precision(accelerator) -> tuple[str | None, bool, str]:
+    """`distributed_master_weights` from the accelerator's actual DeepSpeed/FSDP settings."""
+    if accelerator is None:
+        return None, False, ""
+    state = accelerator.state
+    ds_plugin = getattr(state, "deepspeed_plugin", None)
+    fsdp_plugin = getattr(state, "fsdp_plugin", None)
+    policy = getattr(fsdp_plugin, "mixed_precision_policy", None)
+    return distributed_master_weights(
+        str(accelerator.distributed_type),
+        str(accelerator.mixed_precision),
+        deepspeed_config=getattr(ds_plugin, "deepspeed_config", None),
+        fsdp_param_dtype=getattr(policy, "param_dtype", None),
+    )

@@ -216,50 +216,11 @@ ALL_BASE_CANDIDATES = (
 
 
 def server_engine_info(server_info: dict):
-    """`(EngineInfo or None, why)` of a vLLM server, from its full `/server_info` JSON (`config_format=json`).
+    """`(EngineLayout or None, why)` of a vLLM server, from its full `/server_info` JSON (`config_format=json`): the
+    engine's one reader, `engine.layout.layout_or_why`."""
+    from ..engine.layout import layout_or_why
 
-    Read from what the server reports (its `VllmConfig`, vLLM and torch versions); the platform comes from
-    `device_config.device`. None, with the reason, when the answer does not say on which platform the server
-    runs: the caller must not assume one. `cpu_isa` and `inductor_dir` stay unknown (another process).
-    """
-    from ..engine import EngineInfo
-
-    cfg = server_info.get("vllm_config") if isinstance(server_info, dict) else None
-    if not isinstance(cfg, dict):
-        return None, "its /server_info has no vllm_config in JSON form"
-    system = server_info.get("system_env") or {}
-    device = str((cfg.get("device_config") or {}).get("device") or "").split(":")[0]
-    if device in ("", "auto", "None"):
-        return None, f"its /server_info names no device (device_config: {cfg.get('device_config')!r})"
-    cc = cfg.get("compilation_config") or {}
-    mode = cc.get("mode")
-    if isinstance(mode, int):
-        from vllm.config import CompilationMode
-
-        mode = CompilationMode(mode).name
-    priority = {
-        k: list(v) for k, v in ((cfg.get("kernel_config") or {}).get("ir_op_priority") or {}).items()
-        if k in ("rms_norm", "fused_add_rms_norm") and v is not None
-    }
-    info = EngineInfo(
-        vllm_version=str(system.get("vllm_version") or ""),
-        platform=device,
-        compile_mode=str(mode),
-        enforce_eager=bool((cfg.get("model_config") or {}).get("enforce_eager")),
-        custom_ops=list(cc.get("custom_ops") or []),
-        cache_dir=cc.get("local_cache_dir") or None,
-        backend=str(cc.get("backend") or ""),
-        splitting_ops=list(cc.get("splitting_ops") or []),
-        use_inductor_graph_partition=bool(cc.get("use_inductor_graph_partition")),
-        ir_op_priority=priority,
-        torch_version=str(system.get("torch_version") or ""),
-        gemm_block_rows=_int_or_none((cfg.get("additional_config") or {}).get("roundalign_gemm_block_rows")),
-        model_impl=str((cfg.get("model_config") or {}).get("model_impl") or "auto"),
-        tensor_parallel_size=_int_or_none((cfg.get("parallel_config") or {}).get("tensor_parallel_size")) or 1,
-    )
-    if mode is None and not info.enforce_eager:
-        return info, f"{device}, compile mode not reported"
-    return info, f"{device}, {'compiled' if info.compiled else 'eager'} ({info.compile_mode})"
+    return layout_or_why(server_info)
 
 
 def _configured_profile(info) -> str | None:
@@ -299,13 +260,6 @@ def _padded(first: list[torch.Tensor], second: list[torch.Tensor]) -> tuple[torc
     for i, (x, y) in enumerate(zip(first, second)):
         a[i, : len(x)], b[i, : len(y)], mask[i, : len(x)] = x, y, 1
     return a, b, mask
-
-
-def _int_or_none(value) -> int | None:
-    try:
-        return None if value is None else int(value)
-    except (TypeError, ValueError):
-        return None
 
 
 def server_prompt_logprobs(client, sequences: list[list[int]], temperature: float = 0.0) -> list[torch.Tensor]:

@@ -32,6 +32,7 @@ import os
 import sys
 
 from ..engine.gemm import ENV_BLOCK_ROWS
+from ..engine.layout import FACTS_KEY
 from .auth import TOKEN_ENV, is_loopback, new_token
 
 logger = logging.getLogger(__name__)
@@ -93,13 +94,15 @@ def main(argv: list[str] | None = None) -> None:
     i = command.index("vllm.entrypoints.cli.main")
     command[i : i + 1] = ["trl_roundalign.weight_transfer.serve", _VLLM_CLI]
     env = os.environ.copy()
-    rows = _gemm_block_rows(script_args.model, env)
+    tp = int(script_args.tensor_parallel_size or 1)
+    rows = _gemm_block_rows(script_args.model, env, tp)
+    _tensor_parallel_env(tp, env)
     if rows is not None:
-        # The engine's linears (the package's dispatcher) read it from the environment; /server_info reports it
-        # through vLLM's additional_config, so that the trainer computes its linears the same way.
+        # The engine's linears (the package's dispatcher) take it from the environment, the transport into vLLM's
+        # processes; /server_info reports it with the package's other facts of this server through vLLM's
+        # additional_config, where the trainer's one reader of engine layouts finds them.
         env[ENV_BLOCK_ROWS] = str(rows)
-        _set_additional_config(command, {"roundalign_gemm_block_rows": rows})
-    _tensor_parallel_env(int(script_args.tensor_parallel_size or 1), env)
+        _set_additional_config(command, {FACTS_KEY: _server_facts(rows, env)})
     env["VLLM_SERVER_DEV_MODE"] = "1"  # the weight-transfer endpoints live behind vLLM's dev mode (as in TRL)
     if not env.get(TOKEN_ENV):
         env[TOKEN_ENV] = new_token()
@@ -112,12 +115,12 @@ def main(argv: list[str] | None = None) -> None:
     os.execve(sys.executable, command, env)
 
 
-def _gemm_block_rows(model: str, env: dict) -> int | None:
-    """The row-block size the server's linears compute with (`trl_roundalign.engine.gemm`): the environment's
-    `ROUNDALIGN_GEMM_BLOCK_ROWS` when set, else measured for the model's shapes on this machine (0 where plain
-    `F.linear` is batch-invariant). None off vLLM-CPU (vLLM's own kernels)."""
+def _gemm_block_rows(model: str, env: dict, tp: int) -> int | None:
+    """The row-block size the server's linears compute with (`engine.gemm.decide_block_rows`, the one decision): an
+    explicit `ROUNDALIGN_GEMM_BLOCK_ROWS` in the server's environment when set, else measured for the model's shapes
+    (and their shards at `tp`) on this machine (0 where plain `F.linear` is batch-invariant). None off vLLM-CPU."""
     from ..engine.dispatch import is_vllm_cpu
-    from ..engine.gemm import choose_block_rows
+    from ..engine.gemm import decide_block_rows
 
     if not is_vllm_cpu():
         return None
@@ -127,14 +130,25 @@ def _gemm_block_rows(model: str, env: dict) -> int | None:
 
     from ..engine import AUTO_MEASURE_ROWS
 
-    try:
-        rows, report = choose_block_rows(AutoConfig.from_pretrained(model), AUTO_MEASURE_ROWS)
-    except ValueError as e:
-        logger.warning("%s The server computes with plain F.linear.", e)
-        return 0
-    if rows:
+    rows, report = decide_block_rows(AutoConfig.from_pretrained(model), "auto", {"the server's prefill chunk": AUTO_MEASURE_ROWS},
+                                     cap=AUTO_MEASURE_ROWS, tensor_parallel=tp, refuse=False)
+    if rows and report is not None:
         logger.warning("GEMM here: %s; the server computes in row blocks of %d (as the trainer will)", report.summary(), rows)
     return rows
+
+
+def _server_facts(rows: int, env: dict) -> dict:
+    """The package's facts of this server for its /server_info (`engine.layout.FACTS_KEY`): what its engine's linears
+    compute with, the vector ISA and vLLM-CPU kernel library of this machine, its ranks' CPU binding."""
+    from ..engine.layout import cpu_vector_isa, vllm_cpu_kernel_library
+
+    isa = cpu_vector_isa()
+    return {
+        "gemm_block_rows": rows,
+        "cpu_isa": isa[0] if isa else None,
+        "kernel_library": vllm_cpu_kernel_library(),
+        "omp_threads_bind": env.get("VLLM_CPU_OMP_THREADS_BIND") or None,
+    }
 
 
 def _tensor_parallel_env(tp: int, env: dict) -> None:

@@ -9,7 +9,8 @@ import os
 import sys
 
 import torch
-from _bitwise import assert_bitwise_equal, bit_mismatches, ulp_distance
+
+from helpers.bitwise import assert_bitwise_equal, bit_mismatches, ulp_distance
 
 EPS = 1e-6
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
