@@ -86,3 +86,20 @@ def test_the_figures_are_drawn_from_the_committed_artifacts(tmp_path):
         pytest.skip(f"matplotlib {matplotlib.__version__}, not the locked {pinned}: figures drawn, bytes not compared")
     changed = [n for n in drawn if (tmp_path / n).read_bytes() != (ROOT / "docs" / "figures" / n).read_bytes()]
     assert not changed, f"docs/figures differ from what scripts/figures.py draws now: {changed} (run it and commit)"
+
+
+def test_the_api_pages_map_names_every_module():
+    """docs/api.md's package map names every module of the package: the flat ones and those of trainer/ and engine/
+    by file, the other packages by folder."""
+    text = (ROOT / "docs" / "api.md").read_text()
+    block = text[text.index("## Package layout") : text.index("## The trainer and its config")]
+    pkg = ROOT / "trl_roundalign"
+    missing = []
+    for path in sorted(pkg.glob("*.py")) + sorted(pkg.glob("trainer/*.py")) + sorted(pkg.glob("engine/*.py")):
+        if path.name != "__init__.py" or path.parent == pkg:
+            if not re.search(rf"(?<![\w.]){re.escape(path.name)}", block):
+                missing.append(str(path.relative_to(ROOT)))
+    for folder in sorted(p for p in pkg.iterdir() if p.is_dir() and (p / "__init__.py").exists()):
+        if f"{folder.name}/" not in block:
+            missing.append(f"{folder.relative_to(ROOT)}/")
+    assert not missing, f"docs/api.md's package map omits {missing}"
