@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, TrainerCallback
 
 from trl_roundalign import MismatchCallback, RoundAlignGRPOConfig, RoundAlignGRPOTrainer, get_patch_report
 from trl_roundalign.analysis.compare import Condition, compare_with_engine
+from trl_roundalign.callbacks import read_mismatch_runs
 from trl_roundalign.data import arithmetic_dataset
 from trl_roundalign.local_models import tiny_model
 from trl_roundalign.profiles import ALL_REGIONS, PAPER_REGIONS
@@ -123,8 +124,10 @@ def test_checkpoint_loads_in_plain_transformers_and_resume_reapplies_patches(tmp
     rows = [json.loads(x) for x in (out / "mismatch.jsonl").read_text().splitlines()]
     assert rows[0]["run_info"]["regions"] == list(PAPER_REGIONS)
     assert any(r.get("resumed_at_step") == 2 for r in rows if "run_info" in r)
-    # Step 3 of the first run was dropped on resume and logged again once.
-    assert [r["step"] for r in rows if "step" in r] == [1, 2, 3]
+    # The file is append-only: step 3 of the first attempt stays, superseded by the resumed run's step 3.
+    assert [r["step"] for r in rows if "step" in r] == [1, 2, 3, 3]
+    (run,) = read_mismatch_runs(out / "mismatch.jsonl")
+    assert [r["step"] for r in run["rows"]] == [1, 2, 3] and [r["step"] for r in run["superseded"]] == [3]
     resumed.close()
 
 
