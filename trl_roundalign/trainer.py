@@ -49,7 +49,7 @@ from .logprobs import install as install_sampler_logprobs
 from .logprobs import sampler_logprobs
 from .logprobs import supports as logprobs_supports
 from .optim import MasterWeightsOptimizer, aligned_fsdp2_policy, distributed_master_weights, noop_comm_hook
-from .options import check_options
+from .options import check_dtypes, check_options
 from .patching import apply_roundalign, get_patch_report, restore_fp32_rope_frequencies
 from .profiles import is_exact
 from .tp import install_tp_linears
@@ -349,6 +349,9 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
         return profile
 
     def _check_dtypes(self) -> None:
+        if self.args.use_vllm and self.args.roundalign_regions:
+            # The loaded policy's dtype against TRL's bf16/fp16 flags (check_options could not know it, e.g. "auto").
+            check_dtypes(next(self.model.parameters()).dtype, self.args)
         if self.roundalign_engine is None:
             return
         engine_dtype = self.vllm_generation.llm.llm_engine.model_config.dtype
