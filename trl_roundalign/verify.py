@@ -94,19 +94,41 @@ def zero3_gathered(model):
 def verify_on_main_process(check):
     """Run the start-up check `check()` on process 0 only and hand its result, or its failure, to every process (see
     `weights_arrive_at_prepare`: a process scoring its placeholder weights refuted every profile, 0.0% bit-identical,
-    measured in two-process FSDP2 on CPU). Every process runs the same engine configuration."""
+    measured in two-process FSDP2 on CPU). Every process runs the same engine configuration.
+
+    Whatever ends the check on process 0, an `Exception` or a `BaseException` such as `KeyboardInterrupt` or
+    `SystemExit`, is broadcast first (no process waits for a payload that never comes), then process 0 re-raises its
+    own exception and every other process raises the same reason: the same type for `ProfileMismatch`, `ValueError`,
+    `RuntimeError` (and their subclasses), `KeyboardInterrupt` and `SystemExit` (with its exit code), a `RuntimeError`
+    with the same message otherwise."""
     from accelerate.utils import broadcast_object_list
 
     payload = [None]
+    failure = None
     if torch.distributed.get_rank() == 0:
         try:
             payload = [check()]
-        except Exception as e:  # noqa: BLE001 - broadcast, so that no process waits for a payload that never comes
-            payload = [(type(e) if isinstance(e, (ProfileMismatch, ValueError, RuntimeError)) else RuntimeError, str(e))]
+        except BaseException as e:  # noqa: BLE001 - broadcast, so that no process waits for a payload that never comes
+            failure = e
+            payload = [(_FAILED, *_reason(e))]
     broadcast_object_list(payload, from_process=0)
-    if isinstance(payload[0], tuple):
-        raise payload[0][0](payload[0][1])
+    if failure is not None:
+        raise failure
+    if isinstance(payload[0], tuple) and payload[0][:1] == (_FAILED,):
+        raise payload[0][1](*payload[0][2])
     return payload[0]
+
+
+_FAILED = "trl_roundalign: the start-up check failed on process 0"  # marks a broadcast failure
+
+
+def _reason(e: BaseException) -> tuple:
+    """`(type, args)` that every process raises again for process 0's failure `e` (a type pickles by reference)."""
+    if isinstance(e, SystemExit):
+        return SystemExit, (e.code if isinstance(e.code, (int, str, type(None))) else str(e.code),)
+    if isinstance(e, KeyboardInterrupt):
+        return KeyboardInterrupt, ()
+    return (type(e) if isinstance(e, (ProfileMismatch, ValueError, RuntimeError)) else RuntimeError), (str(e),)
 
 
 @dataclass
