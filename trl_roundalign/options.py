@@ -64,7 +64,7 @@ def sampling_biases(args) -> list[str]:
     biased = []
     if args.top_p is not None and args.top_p < 1.0:
         biased.append(f"top_p={args.top_p}")
-    if args.top_k:
+    if not _is_neutral("top_k", args.top_k):  # 0 (TRL's "off") and -1 (vLLM's "off") keep the full distribution
         biased.append(f"top_k={args.top_k}")
     if args.min_p:
         biased.append(f"min_p={args.min_p}")
