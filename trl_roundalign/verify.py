@@ -101,8 +101,6 @@ def verify_on_main_process(check):
     own exception and every other process raises the same reason: the same type for `ProfileMismatch`, `ValueError`,
     `RuntimeError` (and their subclasses), `KeyboardInterrupt` and `SystemExit` (with its exit code), a `RuntimeError`
     with the same message otherwise."""
-    from accelerate.utils import broadcast_object_list
-
     payload = [None]
     failure = None
     if torch.distributed.get_rank() == 0:
@@ -110,7 +108,16 @@ def verify_on_main_process(check):
             payload = [check()]
         except BaseException as e:  # noqa: BLE001 - broadcast, so that no process waits for a payload that never comes
             failure = e
-            payload = [(_FAILED, *_reason(e))]
+    return broadcast_from_main(payload, failure)
+
+
+def broadcast_from_main(payload: list, failure: BaseException | None = None):
+    """Process 0's one-element `payload`, on every process; or, where process 0 failed with `failure`, its reason
+    raised on every process (`verify_on_main_process`): process 0 re-raises `failure` itself after the broadcast."""
+    from accelerate.utils import broadcast_object_list
+
+    if failure is not None:
+        payload = [(_FAILED, *_reason(failure))]
     broadcast_object_list(payload, from_process=0)
     if failure is not None:
         raise failure

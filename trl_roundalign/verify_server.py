@@ -27,6 +27,7 @@ def verify_server_profile(trainer, args):
         CLEARLY_BETTER,
         STRICTLY_BETTER,
         ProfileMismatch,
+        broadcast_from_main,
         engine_self_k3,
         server_prompt_logprobs,
         verification_sequences,
@@ -53,7 +54,7 @@ def verify_server_profile(trainer, args):
     if about.startswith("request failed: "):  # every process stops alike with the main process's line
         raise RuntimeError(f"The server-mode start-up check could not query the vLLM server at {url}: "
                            f"{about[len('request failed: '):]}")  # fmt: skip
-    payload, failure = [None], None
+    payload, failure, interrupted = [None], None, None
     if client is not None:
         try:
             batched = server_prompt_logprobs(client, sequences)
@@ -64,9 +65,10 @@ def verify_server_profile(trainer, args):
             failure = e
             why = " ".join(f"{type(e).__name__}: {e}".split())
             payload = [f"The server-mode start-up check could not query the vLLM server at {url}: {why}"]
-    from accelerate.utils import broadcast_object_list
-
-    broadcast_object_list(payload, from_process=0)  # every process scores (and stops) alike
+        except BaseException as e:  # Ctrl-C or SystemExit while waiting for the server: every process exits with it
+            interrupted = e
+    # every process scores (and stops) alike
+    payload = [broadcast_from_main(payload, interrupted)]
     if isinstance(payload[0], str):  # the main process's request failed: every process stops with its line
         raise RuntimeError(payload[0]) from failure
     engine_logps, engine_single = payload[0]
@@ -115,13 +117,11 @@ def read_server_info(trainer, args):
     cached = getattr(trainer, "_roundalign_server_info", None)
     if cached is not None:
         return cached
-    from accelerate.utils import broadcast_object_list
-
-    from .verify import server_engine_info
+    from .verify import broadcast_from_main, server_engine_info
 
     client = getattr(trainer.vllm_generation, "vllm_client", None)
     url = client.base_url if client is not None else args.vllm_server_base_url
-    payload = [None]
+    payload, interrupted = [None], None
     if client is not None:
         try:
             response = client.session.get(f"{url}/server_info", params={"config_format": "json"})
@@ -129,8 +129,9 @@ def read_server_info(trainer, args):
                        (None, f"its /server_info answered {response.status_code}")]
         except Exception as e:  # noqa: BLE001 - broadcast, so that no process waits for a payload that never comes
             payload = [(None, "request failed: " + " ".join(f"{type(e).__name__}: {e}".split()))]
-    broadcast_object_list(payload, from_process=0)
-    info, about = payload[0]
+        except BaseException as e:  # Ctrl-C or SystemExit while waiting for the server: every process exits with it
+            interrupted = e
+    info, about = broadcast_from_main(payload, interrupted)
     trainer._roundalign_server_info = (info, about, url)
     return info, about, url
 

@@ -48,8 +48,18 @@ def run_two_ranks(tmp_path: Path, kind: str) -> list[dict]:
 
 @pytest.mark.parametrize(("kind", "args"), [("KeyboardInterrupt", []), ("SystemExit", ["3"]), ("ValueError", ["bad option"])])
 def test_every_rank_exits_with_rank_0s_reason(tmp_path, kind, args):
-    r0, r1 = run_two_ranks(tmp_path, kind)
+    r0, r1 = run_two_ranks(tmp_path, "colocated:" + kind)
     assert r0["type"] == r1["type"] == kind, (r0, r1)
     assert r0["args"] == r1["args"] == args, (r0, r1)
     assert r0["original"], r0  # rank 0 re-raises its own exception (its traceback), after the broadcast
     assert r1["seconds"] < 30, (r0, r1)  # the collective timeout is 60 s
+
+
+@pytest.mark.parametrize("where", ["server-info", "server-logprobs"])
+@pytest.mark.parametrize(("kind", "args"), [("KeyboardInterrupt", []), ("SystemExit", ["3"])])
+def test_server_mode_requests_interrupted_on_rank_0_stop_every_rank(tmp_path, where, kind, args):
+    """Server mode asks the server on rank 0 only and broadcasts the answer: Ctrl-C (or sys.exit) while rank 0 waits
+    for the server reaches every rank at once."""
+    r0, r1 = run_two_ranks(tmp_path, f"{where}:{kind}")
+    assert r0["type"] == r1["type"] == kind and r0["args"] == r1["args"] == args, (r0, r1)
+    assert r0["original"] and r1["seconds"] < 30, (r0, r1)

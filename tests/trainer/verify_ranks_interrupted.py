@@ -1,6 +1,8 @@
 """Run by test_review2_verify_ranks.py as one of two gloo ranks (RANK, WORLD_SIZE, MASTER_ADDR/PORT set by the test):
-`verify_on_main_process` with a start-up check that rank 0 leaves with a `BaseException` that is no `Exception`
-(`KeyboardInterrupt`, `SystemExit(3)`) or with a plain `ValueError`, named by argv[2].
+a start-up check that rank 0 leaves with a `BaseException` that is no `Exception` (`KeyboardInterrupt`,
+`SystemExit(3)`) or with a plain `ValueError`, named by argv[2] as `<where>:<exception>`. Where: `colocated`
+(`verify_on_main_process`), `server-info` (server mode's `/server_info` request) or `server-logprobs` (server
+mode's prompt log-prob requests), each raising on rank 0 only.
 
 Each rank writes what it raised (type, args, whether rank 0 got its own exception object back, and after how long)
 to <out>/rank<r>.json, then stays alive until the other rank has written its own, as a trainer whose caller caught
@@ -13,6 +15,7 @@ import json
 import os
 import sys
 import time
+import types
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -25,19 +28,39 @@ from accelerate import PartialState  # noqa: E402
 
 PartialState(cpu=True)
 
-from trl_roundalign.verify import verify_on_main_process  # noqa: E402
+import trl_roundalign.verify as verify  # noqa: E402
+from trl_roundalign.trainer import RoundAlignGRPOTrainer  # noqa: E402
 
+where, name = kind.split(":")
 RAISED = {"KeyboardInterrupt": KeyboardInterrupt(), "SystemExit": SystemExit(3), "ValueError": ValueError("bad option")}
-raised = RAISED[kind]
+raised = RAISED[name]
 
 
-def check():
+def check(*args, **kwargs):
     raise raised
+
+
+def server_check():
+    """Server mode's check against a server whose request raises on rank 0 (nothing is listening at the URL)."""
+    url = "http://127.0.0.1:9"
+    verify.verification_sequences = lambda tokenizer: [[1, 2, 3, 4]]  # no tokenizer needed: nothing gets scored
+    client = types.SimpleNamespace(base_url=url, session=types.SimpleNamespace(get=check)) if rank == 0 else None
+    trainer = types.SimpleNamespace(
+        roundalign_profile="vllm-compiled",
+        vllm_generation=types.SimpleNamespace(vllm_client=client, sync_weights=lambda: None),
+        state=types.SimpleNamespace(global_step=0), processing_class=None, model=None,
+        _install_patches=lambda args: None,
+    )  # fmt: skip
+    if where == "server-logprobs":  # /server_info answered (a server of unknown platform); the log-prob requests raise
+        trainer._roundalign_server_info = (None, "unknown", url)
+        verify.server_prompt_logprobs = check
+    args = types.SimpleNamespace(vllm_server_base_url=url, roundalign_regions=("rope",), roundalign_backend="torch")
+    RoundAlignGRPOTrainer._verify_profile_server(trainer, args)
 
 
 start = time.monotonic()
 try:
-    verify_on_main_process(check)
+    verify.verify_on_main_process(check) if where == "colocated" else server_check()
     result = {"type": None, "args": None}
 except BaseException as e:  # noqa: BLE001 - reported to the test
     result = {"type": type(e).__name__, "args": [str(a) for a in e.args], "original": e is raised}
