@@ -55,8 +55,8 @@ def test_every_rank_exits_with_rank_0s_reason(tmp_path, kind, args):
     assert r1["seconds"] < 30, (r0, r1)  # the collective timeout is 60 s
 
 
-@pytest.mark.parametrize("where", ["server-info", "server-logprobs"])
-@pytest.mark.parametrize(("kind", "args"), [("KeyboardInterrupt", []), ("SystemExit", ["3"])])
+@pytest.mark.parametrize(("where", "kind", "args"), [("server-info", "KeyboardInterrupt", []),
+                                                    ("server-logprobs", "SystemExit", ["3"])])
 def test_server_mode_requests_interrupted_on_rank_0_stop_every_rank(tmp_path, where, kind, args):
     """Server mode asks the server on rank 0 only and broadcasts the answer: Ctrl-C (or sys.exit) while rank 0 waits
     for the server reaches every rank at once."""
