@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from transformers import TrainerState
 
 from trl_roundalign import callbacks, metrics
 from trl_roundalign.trainer.callbacks import MismatchCallback
@@ -188,12 +189,14 @@ def test_resume_on_the_same_trainer_logs_each_step_once(tmp_path):
     trainer = fake_grpo_trainer()
     cb = MismatchCallback(log_file=path)
     cb.trainer = trainer
-    cb.on_train_begin(None, state(0), None)
+    first = TrainerState()
+    cb.on_train_begin(None, first, None)
     run_steps(cb, trainer, STEPS)
-    cb.on_train_begin(None, state(2), None)  # train(resume_from_checkpoint=<checkpoint-2>) on the same object
+    # train(resume_from_checkpoint=<checkpoint-2>) on the same object: the checkpoint's state names the run.
+    cb.on_train_begin(None, TrainerState(global_step=2, stateful_callbacks=dict(first.stateful_callbacks)), None)
     run_steps(cb, trainer, STEPS[2:], start=2)
     steps = [r["step"] for r in lines(path) if "step" in r]
-    assert steps == [1, 2, 3, 4]  # steps 3-4 of the first attempt were trained again: their rows are replaced
+    assert steps == [1, 2, 3, 4, 3, 4]  # append-only: the first attempt's steps 3-4 stay, superseded by the resume
     headers = [r for r in lines(path) if "run_info" in r]
     assert [h["resumed_at_step"] for h in headers] == [None, 2]
     assert headers[0]["run_id"] == headers[1]["run_id"]  # one run, resumed
@@ -208,16 +211,17 @@ def test_resume_only_touches_the_last_run(tmp_path):
         trainer = fake_grpo_trainer()
         cb = MismatchCallback(log_file=path)
         cb.trainer = trainer
-        cb.on_train_begin(None, state(0), None)
+        begun = TrainerState()
+        cb.on_train_begin(None, begun, None)
         run_steps(cb, trainer, STEPS[:n_steps])
     trainer = fake_grpo_trainer()
     cb = MismatchCallback(log_file=path)  # a new trainer resuming the second run at step 1
     cb.trainer = trainer
-    cb.on_train_begin(None, state(1), None)
+    cb.on_train_begin(None, TrainerState(global_step=1, stateful_callbacks=dict(begun.stateful_callbacks)), None)
     run_steps(cb, trainer, STEPS[1:3], start=1)
     runs = callbacks.read_mismatch_runs(path)
     assert [[r["step"] for r in run["rows"]] for run in runs] == [[1, 2, 3, 4], [1, 2, 3]]
-    assert [r["step"] for r in lines(path) if "step" in r] == [1, 2, 3, 4, 1, 2, 3]
+    assert [r["step"] for r in lines(path) if "step" in r] == [1, 2, 3, 4, 1, 2, 3, 2, 3]
 
 
 def test_a_torn_last_line_does_not_swallow_the_next_header(tmp_path):

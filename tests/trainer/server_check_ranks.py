@@ -26,24 +26,14 @@ from accelerate import PartialState  # noqa: E402
 
 PartialState(cpu=True)
 
-import trl_roundalign.trainer.startup_check as verify  # noqa: E402
-from trl_roundalign.trainer.grpo import RoundAlignGRPOTrainer  # noqa: E402
+from trl_roundalign.trainer.server_check import ServerCheck  # noqa: E402
 
-verify.verification_sequences = lambda tokenizer: [[1, 2, 3, 4]]  # no tokenizer needed: nothing gets scored
 client = types.SimpleNamespace(base_url=url, session=requests.Session()) if rank == 0 else None
-trainer = types.SimpleNamespace(
-    roundalign_profile="vllm-compiled",
-    vllm_generation=types.SimpleNamespace(vllm_client=client, sync_weights=lambda: None),
-    state=types.SimpleNamespace(global_step=0),
-    processing_class=None,
-    model=None,
-    _install_patches=lambda args: None,
-)
-args = types.SimpleNamespace(vllm_server_base_url=url, roundalign_regions=("rope",), roundalign_backend="torch")
+server = ServerCheck(types.SimpleNamespace(vllm_client=client), url, "qwen3")
 
 start = time.monotonic()
 try:
-    RoundAlignGRPOTrainer._verify_profile_server(trainer, args)
+    server.layout()  # the trainer's first request to the server (its /server_info)
     result = {"type": None, "error": None}
 except Exception as e:  # noqa: BLE001 - reported to the test
     result = {"type": type(e).__name__, "error": str(e)}

@@ -53,12 +53,12 @@ def test_window_metrics_resume_and_a_second_run(tmp_path, closing):
     assert len(set(maxima)) > 1  # the steps differ, so a mean of maxima would not be the maximum
     assert_windows(first.state.log_history, rows, [(1, 2), (3, 4)])
 
-    # Resumed from step 2: steps 3-4 are trained again and their rows replace the first attempt's.
+    # Resumed from step 2: steps 3-4 are trained again; their rows supersede the first attempt's, which stay.
     resumed = trainer()
     resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
     resumed.close()
     lines = [json.loads(x) for x in path.read_text().splitlines()]
-    assert [r["step"] for r in lines if "step" in r] == [1, 2, 3, 4]
+    assert [r["step"] for r in lines if "step" in r] == [1, 2, 3, 4, 3, 4]
     assert [h["resumed_at_step"] for h in lines if "run_info" in h] == [None, 2]
     header, rows = read_mismatch_log(path)
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and header["run_info"]["profile"] == "vllm-compiled"

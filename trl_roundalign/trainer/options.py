@@ -64,7 +64,7 @@ def sampling_biases(args) -> list[str]:
     biased = []
     if args.top_p is not None and args.top_p < 1.0:
         biased.append(f"top_p={args.top_p}")
-    if args.top_k:
+    if not _is_neutral("top_k", args.top_k):  # 0 (TRL's "off") and -1 (vLLM's "off") keep the full distribution
         biased.append(f"top_k={args.top_k}")
     if args.min_p:
         biased.append(f"min_p={args.min_p}")
@@ -184,6 +184,8 @@ def check_options(model, args) -> None:
                 f"The policy was passed in {dtype}; alignment is defined for the dtype the engine serves (bf16). "
                 "Load it with `from_pretrained(path, dtype=torch.bfloat16)` or pass the path as a string."
             )
+    if args.use_vllm and args.roundalign_regions:
+        check_dtypes(dtype, args, _engine_dtype(config, args))
     biased = sampling_biases(args)
     if biased:
         warnings.warn(
@@ -192,6 +194,63 @@ def check_options(model, args) -> None:
             "biased. Keep them for generation quality, but do not read mismatch/* as rounding mismatch.",
             UserWarning,
             stacklevel=4,
+        )
+
+
+_DTYPE_NAMES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "half": torch.float16,
+                "fp16": torch.float16, "float32": torch.float32, "float": torch.float32, "fp32": torch.float32}  # fmt: skip
+
+
+def _engine_dtype(config, args) -> torch.dtype | None:
+    """The colocated engine's dtype where it is known before it loads: `vllm_engine_kwargs['dtype']`, or for "auto"
+    the checkpoint's bf16/fp16 dtype (vLLM keeps it). None where unknown (server mode, an fp32 checkpoint's "auto":
+    the trainer compares the built engine's dtype with the policy's)."""
+    if args.vllm_mode != "colocate":
+        return None
+    dtype = (args.vllm_engine_kwargs or {}).get("dtype", "auto")
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        dtype = getattr(config, "dtype", None)
+        return dtype if dtype in (torch.bfloat16, torch.float16) else None
+    return _DTYPE_NAMES.get(str(dtype).removeprefix("torch."))
+
+
+def check_dtypes(policy: torch.dtype | None, args, engine: torch.dtype | None = None) -> None:
+    """The policy's weight dtype x TRL's `bf16`/`fp16` flags x the engine's dtype, with alignment on.
+
+    Trained aligned: bf16 weights under `bf16=True` with a bf16 engine, and fp16 weights under `fp16=True,
+    bf16=False` with an fp16 engine (tests/trainer/test_trl_options.py's `fp16-policy`). Every other combination is
+    refused in one line: autocast would move the training forward into another dtype than the engine's (under CPU
+    bf16 autocast an fp16 linear returns bf16), while the start-up check, which runs outside autocast, would pass.
+    `policy`/`engine` None: not known yet (the trainer checks the loaded policy and the built engine again).
+    """
+    if policy is None:
+        return
+    if policy not in (torch.bfloat16, torch.float16):
+        raise ValueError(
+            f"The policy loads in {policy}; alignment is defined for the bf16 (or fp16) weights the engine serves, and "
+            "autocast would compute its products in another dtype. Load it in bfloat16: "
+            "model_init_kwargs={'dtype': 'bfloat16'}."
+        )
+    if policy == torch.float16 and (args.bf16 or not args.fp16):
+        now = "under bf16 autocast (bf16=True): its linears would return bf16" if args.bf16 else (
+            "with bf16=False and fp16=False, a setting no test trains aligned")
+        raise ValueError(
+            f"The float16 policy would train {now}, while vLLM computes in float16 and the start-up check runs "
+            "outside autocast. Set fp16=True and bf16=False (TRL's default is bf16=True), with "
+            "vllm_engine_kwargs={'dtype': 'float16'}."
+        )
+    if policy == torch.bfloat16 and not args.bf16:
+        raise ValueError(
+            "The bfloat16 policy with bf16=False and fp16=False trains outside the bf16 autocast its aligned forward "
+            "is tested under. Set bf16=True (TRL's default)."
+        )
+    if engine is not None and engine != policy:
+        name = str(policy).removeprefix("torch.")
+        raise ValueError(
+            f"The policy is {name} but the engine would run {str(engine).removeprefix('torch.')}: that gap dwarfs any "
+            f"rounding alignment. Set vllm_engine_kwargs={{'dtype': '{name}'}} (the policy's dtype)."
         )
 
 

@@ -59,9 +59,9 @@ class ServerCheck:
         layout the policy cannot reproduce stops it too (`server_tp_refusal`)."""
         if self._read is not None:
             return self._read
-        from accelerate.utils import broadcast_object_list
+        from .startup_check import broadcast_from_main
 
-        payload = [None]
+        payload, interrupted = [None], None
         if self.client is not None:
             try:
                 response = self.client.session.get(f"{self.url}/server_info", params={"config_format": "json"})
@@ -69,8 +69,9 @@ class ServerCheck:
                            (None, f"its /server_info answered {response.status_code}")]
             except Exception as e:  # noqa: BLE001 - broadcast, so that no process waits for a payload that never comes
                 payload = [(None, "request failed: " + " ".join(f"{type(e).__name__}: {e}".split()))]
-        broadcast_object_list(payload, from_process=0)
-        layout, about = payload[0]
+            except BaseException as e:  # Ctrl-C or SystemExit while waiting for the server: every process exits with it
+                interrupted = e
+        layout, about = broadcast_from_main(payload, interrupted)
         if about.startswith("request failed: "):  # every process stops alike with the main process's line
             raise RuntimeError(f"The server-mode start-up check could not query the vLLM server at {self.url}: "
                                f"{about[len('request failed: '):]}")  # fmt: skip
@@ -128,6 +129,7 @@ class ServerCheck:
             CLEARLY_BETTER,
             STRICTLY_BETTER,
             ProfileMismatch,
+            broadcast_from_main,
             engine_self_k3,
             server_prompt_logprobs,
             verification_sequences,
@@ -144,7 +146,7 @@ class ServerCheck:
             )
         layout, about = self.layout()
         sequences = verification_sequences(tokenizer)
-        payload, failure = [None], None
+        payload, failure, interrupted = [None], None, None
         if self.client is not None:
             try:
                 batched = server_prompt_logprobs(self.client, sequences)
@@ -155,9 +157,9 @@ class ServerCheck:
                 failure = e
                 why = " ".join(f"{type(e).__name__}: {e}".split())
                 payload = [f"The server-mode start-up check could not query the vLLM server at {self.url}: {why}"]
-        from accelerate.utils import broadcast_object_list
-
-        broadcast_object_list(payload, from_process=0)  # every process scores (and stops) alike
+            except BaseException as e:  # Ctrl-C or SystemExit while waiting for the server: every process exits with it
+                interrupted = e
+        payload = [broadcast_from_main(payload, interrupted)]  # every process scores (and stops) alike
         if isinstance(payload[0], str):  # the main process's request failed: every process stops with its line
             raise RuntimeError(payload[0]) from failure
         engine_logps, engine_single = payload[0]

@@ -94,19 +94,48 @@ def zero3_gathered(model):
 def verify_on_main_process(check):
     """Run the start-up check `check()` on process 0 only and hand its result, or its failure, to every process (see
     `weights_arrive_at_prepare`: a process scoring its placeholder weights refuted every profile, 0.0% bit-identical,
-    measured in two-process FSDP2 on CPU). Every process runs the same engine configuration."""
-    from accelerate.utils import broadcast_object_list
+    measured in two-process FSDP2 on CPU). Every process runs the same engine configuration.
 
+    Whatever ends the check on process 0, an `Exception` or a `BaseException` such as `KeyboardInterrupt` or
+    `SystemExit`, is broadcast first (no process waits for a payload that never comes), then process 0 re-raises its
+    own exception and every other process raises the same reason: the same type for `ProfileMismatch`, `ValueError`,
+    `RuntimeError` (and their subclasses), `KeyboardInterrupt` and `SystemExit` (with its exit code), a `RuntimeError`
+    with the same message otherwise."""
     payload = [None]
+    failure = None
     if torch.distributed.get_rank() == 0:
         try:
             payload = [check()]
-        except Exception as e:  # noqa: BLE001 - broadcast, so that no process waits for a payload that never comes
-            payload = [(type(e) if isinstance(e, (ProfileMismatch, ValueError, RuntimeError)) else RuntimeError, str(e))]
+        except BaseException as e:  # noqa: BLE001 - broadcast, so that no process waits for a payload that never comes
+            failure = e
+    return broadcast_from_main(payload, failure)
+
+
+def broadcast_from_main(payload: list, failure: BaseException | None = None):
+    """Process 0's one-element `payload`, on every process; or, where process 0 failed with `failure`, its reason
+    raised on every process (`verify_on_main_process`): process 0 re-raises `failure` itself after the broadcast."""
+    from accelerate.utils import broadcast_object_list
+
+    if failure is not None:
+        payload = [(_FAILED, *_reason(failure))]
     broadcast_object_list(payload, from_process=0)
-    if isinstance(payload[0], tuple):
-        raise payload[0][0](payload[0][1])
+    if failure is not None:
+        raise failure
+    if isinstance(payload[0], tuple) and payload[0][:1] == (_FAILED,):
+        raise payload[0][1](*payload[0][2])
     return payload[0]
+
+
+_FAILED = "trl_roundalign: the start-up check failed on process 0"  # marks a broadcast failure
+
+
+def _reason(e: BaseException) -> tuple:
+    """`(type, args)` that every process raises again for process 0's failure `e` (a type pickles by reference)."""
+    if isinstance(e, SystemExit):
+        return SystemExit, (e.code if isinstance(e.code, (int, str, type(None))) else str(e.code),)
+    if isinstance(e, KeyboardInterrupt):
+        return KeyboardInterrupt, ()
+    return (type(e) if isinstance(e, (ProfileMismatch, ValueError, RuntimeError)) else RuntimeError), (str(e),)
 
 
 @dataclass
@@ -135,6 +164,9 @@ class Verification:
     # The margin a rival's k3 had to beat: max(engine_noise_k3, SIGNIFICANCE_Z standard errors of the paired
     # per-token difference); None when no k3 decision was made.
     k3_margin: float | None = None
+    # Base profiles whose exact refinements all reproduce the engine bit for bit while its configuration names none
+    # of them: the check could not tell which one the engine runs (empty when it could).
+    tied: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -404,8 +436,36 @@ def verify_profile(
         result.verdict = "mismatch"
         raise ProfileMismatch(message + note)
 
+    def decide_tie(hits: list[str]) -> str | None:
+        """The base profile the engine runs among those whose exact refinements are all bit-identical to it: the one
+        its configuration names (never the order they were scored in); None, recorded and warned as a tie, where
+        the configuration names none of them."""
+        bases = list(dict.fromkeys(EXACT_REFINEMENTS[h] for h in hits))
+        if len(bases) == 1:
+            return bases[0]
+        configured = _configured_profile(info)
+        if configured in bases:
+            return configured
+        result.tied = bases
+        logger.warning(
+            "profile check: a tie: the exact refinements of %s all reproduce the engine bit for bit on %d tokens, and "
+            "its configuration names none of them, so the check cannot tell which the engine runs; "
+            "`trl-roundalign probe` on longer sequences can.%s", " and ".join(bases), tokens, note,
+        )
+        return None
+
     if is_exact(chosen):
         result.engine_profile = chosen if chosen_score.frac_bitwise_equal == 1.0 else None
+        also = [s.profile for s in exact_scores if s.frac_bitwise_equal == 1.0]
+        if chosen_score.frac_bitwise_equal == 1.0 and also:
+            runs = decide_tie([chosen, *also])
+            if runs is not None and runs != EXACT_REFINEMENTS[chosen]:
+                exact = next(e for e, b in EXACT_REFINEMENTS.items() if b == runs)
+                result.engine_profile = exact
+                fail(
+                    f"Exact mode under {chosen} reproduces the engine bit for bit, but so does {exact}, and the engine's "
+                    f"configuration is what {runs!r} describes. Set roundalign_profile='{exact}'{or_auto}."
+                )
         if chosen_score.frac_bitwise_equal < 1.0:
             better = [s.profile for s in exact_scores if s.frac_bitwise_equal == 1.0]
             hint = f"; {better[0]} is bit-identical: use it" if better else ""
@@ -417,12 +477,22 @@ def verify_profile(
         exact_hits = [s.profile for s in exact_scores if s.frac_bitwise_equal == 1.0]
         chosen_base = get_profile(chosen).name
         if exact_hits:
-            result.engine_profile = EXACT_REFINEMENTS[exact_hits[0]]
-            if chosen_base != result.engine_profile:
+            runs = decide_tie(exact_hits)
+            if runs is None:  # a tie: the chosen profile is not refuted if it is one of the tied ones
+                runs = chosen_base if chosen_base in result.tied else None
+                if runs is None:
+                    fail(
+                        f"roundalign_profile={chosen!r} does not describe this engine: the exact modes of "
+                        f"{' and '.join(result.tied)} are both bit-identical to it and its configuration names neither. "
+                        f"Set roundalign_profile to one of them, or run `trl-roundalign probe`."
+                    )
+            result.engine_profile = runs
+            if chosen_base != runs:
+                exact = next(h for h in exact_hits if EXACT_REFINEMENTS[h] == runs)
                 fail(
-                    f"roundalign_profile={chosen!r} does not describe this engine: {result.engine_profile} does "
-                    f"(its exact mode {exact_hits[0]} is bit-identical to the engine). Set roundalign_profile="
-                    f"'{result.engine_profile}'{or_auto}."
+                    f"roundalign_profile={chosen!r} does not describe this engine: {runs} does "
+                    f"(its exact mode {exact} is bit-identical to the engine). Set roundalign_profile="
+                    f"'{runs}'{or_auto}."
                 )
         elif exact_scores:
             best = max(exact_scores, key=lambda s: s.frac_bitwise_equal)
