@@ -79,7 +79,7 @@ def main(argv=None) -> int:
                 llm = trainer.vllm_generation.llm
                 vllm_prefill_logprobs(llm, verification_sequences(llm.get_tokenizer()))
                 prefill_s.append(time.perf_counter() - t1)
-                verify_s.append(trainer._verify_profile(cfg).seconds)
+                verify_s.append(trainer._verify_profile().seconds)
             rows.append({
                 "setting": name,
                 "profile": trainer.roundalign_profile,

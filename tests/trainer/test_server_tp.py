@@ -114,7 +114,7 @@ def test_server_mode_trains_against_a_tp2_server_with_the_tp_form(tp2_server, tm
                 backend=args.roundalign_backend, lanes=None, candidates=["vllm-compiled"], auto_ok=False,
             )  # fmt: skip
         finally:
-            trainer.roundalign_report = trainer._install_patches(args)  # patches and TP form back
+            trainer.roundalign_report = trainer._install_patches()  # patches and TP form back
         without_tp = plain.candidates[0]
         print(f"start-up check k3 vs the TP=2 server: with the TP form {with_tp.kl_k3:.3g} "
               f"({with_tp.frac_bitwise_equal:.1%} bit-identical), without {without_tp.kl_k3:.3g} "

@@ -231,7 +231,7 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
                         "trainer in a fresh process."
                     )
             elif args.use_vllm and args.vllm_mode == "server" and args.roundalign_regions:
-                self.roundalign_layout = self._server_check(args).layout()[0]
+                self.roundalign_layout = self._server_check().layout()[0]
             self._roundalign_sampler_logprobs = False
             if args.roundalign_regions:
                 why_not = logprobs_supports(self.model)
@@ -240,15 +240,15 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
                     self._roundalign_sampler_logprobs = True
                 else:
                     logger.warning("log-probs: TRL's fused LM head, not the sampler's formula (%s)", why_not)
-            self.roundalign_profile = self._resolve_profile(args)
+            self.roundalign_profile = self._resolve_profile()
             self._check_layout(fields=("dtype",))  # what the policy was loaded in, before anything is patched
-            self.roundalign_report = self._install_patches(args)
+            self.roundalign_report = self._install_patches()
             self._check_layout()  # the whole layout, read back from the patched policy
             if args.roundalign_verify_profile:
                 # Scoring the engine runs it and the policy: neither may move the random state the first generation
                 # samples from, or turning alignment on would change what is sampled from step 1 on.
                 with _rng_untouched(), _engine_awake(self):
-                    self.roundalign_verification = self._verify_profile(args)
+                    self.roundalign_verification = self._verify_profile()
         except BaseException:
             self.close()  # the colocated engine is built by now; a failed trainer must not keep it
             raise
@@ -300,7 +300,8 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
             return 1
         return int(layout.tensor_parallel_size or 1)
 
-    def _server_check(self, args):
+    def _server_check(self):
+        args = self.args
         if getattr(self, "_roundalign_server", None) is None:
             from .server_check import ServerCheck
 
@@ -346,18 +347,19 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
         if layers := lora_targets_row_parallel(peft_config, model_type):
             raise ValueError(tp_lora_refusal(layers, tp))
 
-    def _resolve_profile(self, args: RoundAlignGRPOConfig) -> str:
+    def _resolve_profile(self) -> str:
+        args = self.args
         wants_exact = "attention" in args.roundalign_regions
         server = args.use_vllm and args.vllm_mode == "server"
         if args.roundalign_profile != "auto":
             if server and not args.roundalign_verify_profile:
-                self.roundalign_layout = self._server_check(args).unverified_layout()
+                self.roundalign_layout = self._server_check().unverified_layout()
             return args.roundalign_profile
         if not args.use_vllm:
             return "none"  # no engine to align with (regions are refused without one): HF's own rounding
         if server:  # what the server reports at /server_info
-            self.roundalign_layout = self._server_check(args).layout()[0]
-            profile = self._server_check(args).profile()
+            self.roundalign_layout = self._server_check().layout()[0]
+            profile = self._server_check().profile()
             if wants_exact:
                 raise ValueError(
                     f"Exact mode (region 'attention') needs the engine's reduction lanes, read from its compiled code, "
@@ -404,7 +406,8 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
             return None
         return int(self.vllm_generation.llm.llm_engine.vllm_config.cache_config.block_size)
 
-    def _install_patches(self, args: RoundAlignGRPOConfig):
+    def _install_patches(self):
+        args = self.args
         lanes, source = None, None
         if is_exact(self.roundalign_profile) and self.roundalign_engine is not None:
             lanes, source = self._engine_lanes(), "engine"
@@ -465,20 +468,22 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
             logger.info("GEMM on this machine: %s", report.summary())
         return rows, report
 
-    def _verify_profile(self, args: RoundAlignGRPOConfig):
+    def _verify_profile(self):
         """Check the profile against the running engine (see `trl_roundalign.trainer.startup_check`); None when not checked."""
+        args = self.args
         if not args.roundalign_regions:
             return None  # default BF16: nothing is aligned, so no profile to check
         if self.roundalign_engine is None:
-            return self._verify_profile_server(args)
+            return self._verify_profile_server()
         from .startup_check import verify_on_main_process, weights_arrive_at_prepare, zero3_gathered
 
         if weights_arrive_at_prepare():  # the other processes hold placeholder weights until accelerate prepares
-            return verify_on_main_process(lambda: self._verify_colocated(args))
+            return verify_on_main_process(lambda: self._verify_colocated())
         with zero3_gathered(self.model):
-            return self._verify_colocated(args)
+            return self._verify_colocated()
 
-    def _verify_colocated(self, args: RoundAlignGRPOConfig):
+    def _verify_colocated(self):
+        args = self.args
         from ..scoring import vllm_prefill_logprobs
         from .startup_check import verification_sequences, verify_profile
 
@@ -493,27 +498,28 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
                 attention_block_size=self._engine_block_size(),
             )
         finally:
-            self.roundalign_report = self._install_patches(args)
+            self.roundalign_report = self._install_patches()
         logger.info(
             "profile %s verified against the engine in %.1f s (%d tokens)", result.chosen, result.seconds, result.tokens
         )
         return result
 
-    def _verify_profile_server(self, args: RoundAlignGRPOConfig):
+    def _verify_profile_server(self):
         """Server mode's start-up check (`server_check.ServerCheck.verify`) on the policy computing with the server's
         layout. The server may still hold another run's weights: push the policy's first (every process takes part, as
         before a generation), then score; the first step's generation need not push them again."""
-        check = self._server_check(args)
+        args = self.args
+        check = self._server_check()
         self.roundalign_layout = check.layout()[0]
         self.vllm_generation.sync_weights()
         self._last_loaded_step = self.state.global_step
-        self.roundalign_report = self._install_patches(args)  # the server's row blocks and TP sums on the policy
+        self.roundalign_report = self._install_patches()  # the server's row blocks and TP sums on the policy
         tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
         try:
             return check.verify(self.model, tokenizer, profile=self.roundalign_profile, regions=args.roundalign_regions,
                                 backend=args.roundalign_backend)
         finally:
-            self.roundalign_report = self._install_patches(args)
+            self.roundalign_report = self._install_patches()
 
     def roundalign_run_info(self) -> dict:
         """Versions, engine mode, profile and regions: the first line of the mismatch JSONL."""
