@@ -8,7 +8,6 @@ break rank 1's collective for it.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -23,6 +22,7 @@ rank = int(os.environ["RANK"])
 dist.init_process_group("gloo", timeout=timedelta(seconds=60))
 
 from accelerate import PartialState  # noqa: E402
+from helpers.ranks import report  # noqa: E402
 
 PartialState(cpu=True)
 
@@ -37,9 +37,4 @@ try:
     result = {"type": None, "error": None}
 except Exception as e:  # noqa: BLE001 - reported to the test
     result = {"type": type(e).__name__, "error": str(e)}
-result["seconds"] = time.monotonic() - start
-with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-    json.dump(result, f)
-deadline = time.monotonic() + 150
-while not os.path.exists(os.path.join(out, f"rank{1 - rank}.json")) and time.monotonic() < deadline:
-    time.sleep(0.2)
+report(out, rank, result, start)

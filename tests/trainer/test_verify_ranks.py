@@ -4,46 +4,14 @@ times out (60 s here). Two real gloo processes on 127.0.0.1; a hang fails the te
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers.env import subprocess_env
-from helpers.server import free_port
+from helpers.ranks import run_two_ranks as two_ranks
 
 
 def run_two_ranks(tmp_path: Path, kind: str) -> list[dict]:
-    script = Path(__file__).with_name("verify_ranks_interrupted.py")
-    master = str(free_port())
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(tmp_path), kind],
-            env=subprocess_env(
-                RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=master, OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="1",
-            ),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        )
-        for r in (0, 1)
-    ]  # fmt: skip
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=240)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, 9)
-                p.wait()
-    results = []
-    for r in (0, 1):
-        path = tmp_path / f"rank{r}.json"
-        assert path.exists(), "\n".join(o[-3000:] for o in outputs)
-        results.append(json.loads(path.read_text()))
-    return results
+    return two_ranks(Path(__file__).with_name("verify_ranks_interrupted.py"), tmp_path, kind)
 
 
 @pytest.mark.parametrize(("kind", "args"), [("KeyboardInterrupt", []), ("SystemExit", ["3"]), ("ValueError", ["bad option"])])

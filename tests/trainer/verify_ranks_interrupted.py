@@ -11,7 +11,6 @@ the error would: rank 0 leaving would otherwise break rank 1's collective for it
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -25,6 +24,7 @@ rank = int(os.environ["RANK"])
 dist.init_process_group("gloo", timeout=timedelta(seconds=60))
 
 from accelerate import PartialState  # noqa: E402
+from helpers.ranks import report  # noqa: E402
 
 PartialState(cpu=True)
 
@@ -61,10 +61,5 @@ try:
     result = {"type": None, "args": None}
 except BaseException as e:  # noqa: BLE001 - reported to the test
     result = {"type": type(e).__name__, "args": [str(a) for a in e.args], "original": e is raised}
-result["seconds"] = time.monotonic() - start
-with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-    json.dump(result, f)
-deadline = time.monotonic() + 150
-while not os.path.exists(os.path.join(out, f"rank{1 - rank}.json")) and time.monotonic() < deadline:
-    time.sleep(0.2)
+report(out, rank, result, start)
 dist.destroy_process_group()
