@@ -25,8 +25,6 @@ set_offline_defaults(ROOT / ".cache")
 
 def main() -> int:
     from trl_roundalign.engine import (
-        _inductor_modules,
-        _module_lanes,
         build_llm,
         close_llm,
         cpu_vector_isa,
@@ -34,6 +32,7 @@ def main() -> int:
         inductor_reduction_lanes,
         profile_for_engine,
     )
+    from trl_roundalign.engine.lanes import _inductor_modules, _module_lanes
     from trl_roundalign.local_models import tiny_model
 
     out = ROOT / "docs" / "results" / "piecewise"

@@ -234,7 +234,7 @@ def test_report_is_json_serialisable(compiled):
 
 @pytest.mark.vllm
 def test_fresh_rope_cache_restores_vllms_cache():
-    from trl_roundalign.engine import _rope_cache, fresh_rope_cache
+    from trl_roundalign.engine.build import _rope_cache, fresh_rope_cache
 
     cache = _rope_cache()
     sentinel = ("probe-test",)

@@ -56,7 +56,7 @@ def token(monkeypatch):
 class Server:
     """A `trl vllm-serve` process (own process group) and its log; no --host: the default is loopback."""
 
-    def __init__(self, model: Path, log: Path, backend: str = "gloo", extra: list[str] = ()):
+    def __init__(self, model: Path, log: Path, backend: str = "gloo", extra: list[str] = (), env: dict | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
@@ -66,7 +66,7 @@ class Server:
             "--max_model_len", "256",
             "--weight-transfer-config", json.dumps({"backend": backend}), *extra,
         ]  # fmt: skip
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), **(env or {}))
         env[TOKEN_ENV] = TOKEN
         self._log_file = open(log, "w")  # noqa: SIM115  (closed in stop)
         self.proc = subprocess.Popen(
@@ -144,3 +144,19 @@ def train_and_check_the_server_follows(trainer, client, ids) -> None:
     assert not torch.equal(served_2, served_0), "the server's log-probs did not change: weights were not synced"
     assert gap < max(4 * base_gap, 1e-3), (gap, base_gap)  # follows the trainer as closely as at the start
     assert gap < stale / 4, (gap, stale)  # and is far closer to the new weights than to the old ones
+
+
+def server_trainer(server, tmp_path, profile: str, **overrides):
+    """A one-step server-mode trainer of the tiny Qwen3 against `server` under `profile`."""
+    from helpers.trainer import make_config, varied_reward
+    from trl_roundalign import RoundAlignGRPOTrainer
+    from trl_roundalign.data import arithmetic_dataset
+    from trl_roundalign.local_models import tiny_model
+
+    args = make_config(
+        tmp_path, max_steps=1, vllm_mode="server", vllm_server_base_url=server.url, vllm_server_timeout=60,
+        vllm_group_port=free_port(), roundalign_profile=profile, **overrides,
+    )  # fmt: skip
+    return RoundAlignGRPOTrainer(
+        model=tiny_model("qwen3"), reward_funcs=varied_reward, args=args, train_dataset=arithmetic_dataset("train[:16]")
+    )

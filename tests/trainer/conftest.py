@@ -22,4 +22,5 @@ def closing():
 
     yield keep
     for trainer in kept:
-        close_colocated_engine(trainer)
+        close = getattr(trainer, "close", None)  # ours: the engine, or a server-mode trainer's weight-transfer group
+        close() if close is not None else close_colocated_engine(trainer)

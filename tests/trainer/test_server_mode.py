@@ -24,6 +24,7 @@ from helpers.server import (
     Server,
     free_port,
     listening_addresses,
+    server_trainer,
     token,  # noqa: F401  (autouse: the servers' token in the environment)
     train_and_check_the_server_follows,
 )
@@ -110,19 +111,6 @@ def test_olmo2_trains_in_server_mode(tmp_path):
         train_and_check_the_sync(server, tmp_path / "run", model, min_candidates=2)
     finally:
         server.stop()
-
-
-def server_trainer(server, tmp_path, profile: str, **overrides):
-    from trl_roundalign import RoundAlignGRPOTrainer
-    from trl_roundalign.data import arithmetic_dataset
-
-    args = make_config(
-        tmp_path, max_steps=1, vllm_mode="server", vllm_server_base_url=server.url, vllm_server_timeout=60,
-        vllm_group_port=free_port(), roundalign_profile=profile, **overrides,
-    )  # fmt: skip
-    return RoundAlignGRPOTrainer(
-        model=tiny_model("qwen3"), reward_funcs=varied_reward, args=args, train_dataset=arithmetic_dataset("train[:16]")
-    )
 
 
 def test_server_mode_verification_logs_the_right_profile(server, tmp_path, caplog):

@@ -13,10 +13,13 @@ weight-sync fix), and trains 2 steps of the tiny Qwen3 with the three regions ag
 
 from __future__ import annotations
 
+import functools
+import glob
 import json
 import math
 
 import pytest
+import torch
 from helpers.server import TEXT, Server, free_port, train_and_check_the_server_follows  # noqa: E402
 from helpers.server import token as token  # noqa: F401,E402  (autouse: the server's token in the environment)
 from helpers.trainer import make_config, varied_reward  # noqa: E402
@@ -63,8 +66,11 @@ def tp2_server(tmp_path_factory):
     if vllm_cpu_kernel_library() != "_C":
         # Where the server's TP layout is not measured the trainer refuses it in one line (the first test here).
         pytest.skip(f"TP=2 is aligned with vLLM-CPU's _C library; this CPU loads {vllm_cpu_kernel_library()}")
-    log = tmp_path_factory.mktemp("vllm-server-tp2") / "server.log"
-    srv = Server(tiny_model("qwen3"), log, extra=["--tensor-parallel-size", "2"])
+    folder = tmp_path_factory.mktemp("vllm-server-tp2")
+    # The test owns the server's compile cache, so that it can read the server's compiled code (its reduction lanes).
+    srv = Server(tiny_model("qwen3"), folder / "server.log", extra=["--tensor-parallel-size", "2"],
+                 env={"VLLM_CACHE_ROOT": str(folder / "vllm")})
+    srv.cache_root = folder / "vllm"
     try:
         srv.wait_ready(STARTUP_TIMEOUT_S)
         yield srv
@@ -76,8 +82,10 @@ def tp2_server(tmp_path_factory):
 def test_server_mode_trains_against_a_tp2_server_with_the_tp_form(tp2_server, tmp_path):
     from trl_roundalign import RoundAlignGRPOTrainer
     from trl_roundalign.data import arithmetic_dataset
+    from trl_roundalign.engine import inductor_reduction_lanes
     from trl_roundalign.engine.tp import _MARK, remove_tp_linears
-    from trl_roundalign.trainer.startup_check import server_prompt_logprobs, verification_sequences, verify_profile
+    from trl_roundalign.profiles import ALL_REGIONS
+    from trl_roundalign.trainer.startup_check import _score, server_prompt_logprobs, verification_sequences
 
     server = tp2_server
     with server.log_on_failure():
@@ -92,51 +100,62 @@ def test_server_mode_trains_against_a_tp2_server_with_the_tp_form(tp2_server, tm
             train_dataset=arithmetic_dataset("train[:16]"),
         )  # fmt: skip
         client = trainer.vllm_generation.vllm_client
-        assert client.get_world_size() == 2  # the server's ranks, each of which joined the trainer's gloo group
-        ver = trainer.roundalign_verification
-        assert ver is not None and ver.verdict == "ok" and ver.engine_profile == "vllm-compiled", ver
-        assert ver.engine["tensor_parallel_size"] == 2 and ver.engine["compiled"], ver.engine
-        assert trainer.roundalign_profile == "vllm-compiled"
-        assert trainer.roundalign_report.regions == ("rope", "swiglu", "rmsnorm")
-        tp_layers = [n for n, m in trainer.model.named_modules() if _MARK in m.__dict__]
-        assert tp_layers and {n.rsplit(".", 1)[-1] for n in tp_layers} == {"o_proj", "down_proj"}, tp_layers
-        assert trainer.roundalign_run_info()["tensor_parallel_size"] == 2
-
-        # The check's chosen score was with the TP form; the same profile scored without it is further away.
-        tokenizer = trainer.processing_class
-        seqs = verification_sequences(tokenizer)
-        engine = server_prompt_logprobs(client, seqs)
-        with_tp = next(c for c in ver.candidates if c.profile == "vllm-compiled")
-        remove_tp_linears(trainer.model)
         try:
-            plain = verify_profile(
-                trainer.model, engine, seqs, chosen="vllm-compiled", regions=args.roundalign_regions, info=None,
-                backend=args.roundalign_backend, lanes=None, candidates=["vllm-compiled"], auto_ok=False,
-            )  # fmt: skip
-        finally:
-            trainer.roundalign_report = trainer._install_patches()  # patches and TP form back
-        without_tp = plain.candidates[0]
-        print(f"start-up check k3 vs the TP=2 server: with the TP form {with_tp.kl_k3:.3g} "
-              f"({with_tp.frac_bitwise_equal:.1%} bit-identical), without {without_tp.kl_k3:.3g} "
-              f"({without_tp.frac_bitwise_equal:.1%})")
-        assert without_tp.kl_k3 > with_tp.kl_k3, (with_tp, without_tp)
-        assert _MARK in trainer.model.model.layers[0].mlp.down_proj.__dict__
+            assert client.get_world_size() == 2  # the server's ranks, each of which joined the trainer's gloo group
+            ver = trainer.roundalign_verification
+            assert ver is not None and ver.verdict == "ok" and ver.engine_profile == "vllm-compiled", ver
+            assert ver.engine["tensor_parallel_size"] == 2 and ver.engine["compiled"], ver.engine
+            assert trainer.roundalign_profile == "vllm-compiled"
+            assert trainer.roundalign_report.regions == ("rope", "swiglu", "rmsnorm")
+            tp_layers = [n for n, m in trainer.model.named_modules() if _MARK in m.__dict__]
+            assert tp_layers and {n.rsplit(".", 1)[-1] for n in tp_layers} == {"o_proj", "down_proj"}, tp_layers
+            assert trainer.roundalign_run_info()["tensor_parallel_size"] == 2
 
-        ids = tokenizer(TEXT)["input_ids"]
-        train_and_check_the_server_follows(trainer, client, ids)
-        # Weights went over at start-up, before step 2's generation, and in the sync above: every one answered 200
-        # once both TP workers had received them.
-        updates = server.log.read_text(errors="replace").count('"POST /update_weights HTTP/1.1" 200')
-        assert updates - updates_before == 3, (updates, updates_before)
+            # Exact, as in colocate mode: the server's reduction lanes read from its own compiled code (the test owns its
+            # cache; server mode itself refuses exact profiles, since a trainer cannot read another process's cache), its
+            # row blocks and attention block size from its layout. With the TP form every token of the check is
+            # bit-identical to the TP=2 server; without it, not. (The non-exact profile's k3 cannot tell the two apart:
+            # its own attention and reduction differences re-round every token; measured on the AMD AVX-512 kind 9.96e-7
+            # with the form and 9.21e-7 without, within 0.5 paired standard errors.)
+            tokenizer = trainer.processing_class
+            seqs = verification_sequences(tokenizer)
+            engine = server_prompt_logprobs(client, seqs)
+            [compiled] = glob.glob(str(server.cache_root / "torch_compile_cache" / "torch_aot_compile" / "*"))
+            lanes = inductor_reduction_lanes(compiled)
+            layout = trainer.roundalign_layout
+            score = functools.partial(_score, trainer.model, seqs, engine, ALL_REGIONS, "vllm-compiled-exact",
+                                      args.roundalign_backend, lanes, layout.kv_block_size, layout.max_model_len)
+            try:
+                with torch.no_grad():
+                    with_tp = score()
+                    remove_tp_linears(trainer.model)
+                    without_tp = score()
+            finally:
+                trainer.roundalign_report = trainer._install_patches()  # the run's patches and the TP form back
+            print(f"exact vs the TP=2 server: with the TP form k3 {with_tp.kl_k3:.3g} ({with_tp.frac_bitwise_equal:.1%} "
+                  f"bit-identical), without {without_tp.kl_k3:.3g} ({without_tp.frac_bitwise_equal:.1%})")
+            assert with_tp.frac_bitwise_equal == 1.0 and with_tp.kl_k3 == 0.0, with_tp
+            assert without_tp.frac_bitwise_equal < 1.0, without_tp
+            assert _MARK in trainer.model.model.layers[0].mlp.down_proj.__dict__
 
-        steps = [h for h in trainer.state.log_history if "mismatch/kl_k3" in h]
-        assert [h["step"] for h in steps] == [1, 2]
-        for h in steps:
-            assert math.isfinite(h["mismatch/kl_k3"]) and h["mismatch/tokens"] > 0
-        rows = (tmp_path / "mismatch.jsonl").read_text().splitlines()
-        header = json.loads(rows[0])["run_info"]
-        assert header["tensor_parallel_size"] == 2 and header["verification"]["engine"]["tensor_parallel_size"] == 2
-        assert [json.loads(r)["step"] for r in rows[1:]] == [1, 2]
+            ids = tokenizer(TEXT)["input_ids"]
+            train_and_check_the_server_follows(trainer, client, ids)
+            # Weights went over at start-up, before step 2's generation, and in the sync above: every one answered 200
+            # once both TP workers had received them.
+            updates = server.log.read_text(errors="replace").count('"POST /update_weights HTTP/1.1" 200')
+            assert updates - updates_before == 3, (updates, updates_before)
+
+            steps = [h for h in trainer.state.log_history if "mismatch/kl_k3" in h]
+            assert [h["step"] for h in steps] == [1, 2]
+            for h in steps:
+                assert math.isfinite(h["mismatch/kl_k3"]) and h["mismatch/tokens"] > 0
+            rows = (tmp_path / "mismatch.jsonl").read_text().splitlines()
+            header = json.loads(rows[0])["run_info"]
+            assert header["tensor_parallel_size"] == 2 and header["verification"]["engine"]["tensor_parallel_size"] == 2
+            assert [json.loads(r)["step"] for r in rows[1:]] == [1, 2]
+
+        finally:  # the trainer's gloo group with the server's ranks, closed before the server stops
+            client.close_communicator()
 
 
 @pytest.mark.vllm

@@ -262,16 +262,21 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ lifetime
 
     def close(self) -> None:
-        """Shut the colocated vLLM engine down and free its memory (KV cache, weights, graphs).
+        """Shut the colocated vLLM engine down and free its memory (KV cache, weights, graphs); in server mode, close
+        the weight-transfer group with the server's ranks (its socket and rendezvous store).
 
         Call it when you are done with the trainer (or use `with RoundAlignGRPOTrainer(...) as
         trainer:`), above all before building another trainer or engine in the same process:
         vLLM freezes the garbage collector when its engine starts, so a dropped trainer is otherwise
-        never freed (about 1 GiB each on CPU, the KV cache). The model, its patches and the saved
-        outputs stay usable; training or generating again after `close()` is not possible. Does
-        nothing in server mode and when called twice.
+        never freed (about 1 GiB each on CPU, the KV cache), and a server-mode trainer's open group keeps
+        the process waiting on peers that may be gone when it exits. The model, its patches and the saved
+        outputs stay usable; training or generating again after `close()` is not possible. Does nothing
+        when called twice.
         """
         close_colocated_engine(self)
+        client = getattr(getattr(self, "vllm_generation", None), "vllm_client", None)
+        if client is not None and getattr(client, "communicator", None) is not None:
+            client.close_communicator()
 
     def __enter__(self):
         return self
