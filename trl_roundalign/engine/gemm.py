@@ -63,6 +63,9 @@ ENV_BLOCK_ROWS = "ROUNDALIGN_GEMM_BLOCK_ROWS"
 # sizes and 2.1-3.4x at 512-2048 rows (128 rows: 1.8-2.5x and 1.5-2.4x); end to end the engine 1.30x, the trainer's
 # forward + backward 1.15x. GRPO decodes, so the decode sizes decide. Paid only where the GEMM is variant.
 DEFAULT_BLOCK_ROWS = 64
+# Rows the measurement also computes one at a time (`measure_batch_invariance`): on the AMD AVX-512 kind a 1-row bf16
+# GEMM at K = 1536 flipped an output on about 1 row in 9 (SmolLM2's down_proj), which row 0 alone did not show.
+SINGLE_ROWS = 128
 
 
 def block_rows() -> int:
@@ -385,7 +388,10 @@ def measure_batch_invariance(
     """Measure whether this machine's linear layers give each row the same bits whatever the call's row count.
 
     For each shape, random inputs of `max_rows` rows are multiplied once as a whole (the reference) and then as
-    their first M rows for every M of `row_counts(max_rows)`; a shape is variant if any M gives any other bit.
+    their first M rows for every M of `row_counts(max_rows)`, and each of the first `SINGLE_ROWS` rows alone (a
+    decode step with one running sequence computes 1-row GEMMs, and a 1-row call can take another kernel whose bits
+    differ on some rows only: the first row alone is no sample of them); a shape is variant if any call gives any
+    other bit.
     Fused shapes (K, N1, N2, ...) are also checked against their parts computed separately, as the trainer
     computes them. `block_rows > 0` measures the row-block schedule instead of plain `F.linear`.
     """
@@ -407,6 +413,13 @@ def measure_batch_invariance(
                 if not torch.equal(out, ref[:m]):
                     res.variant_rows.append(m)
                     res.worst_fraction = max(res.worst_fraction, (out != ref[:m]).float().mean().item())
+            if 1 in counts and 1 not in res.variant_rows:
+                for i in range(1, min(SINGLE_ROWS, max_rows)):
+                    out = linear(x[i : i + 1], w, rows=block_rows)
+                    if not torch.equal(out, ref[i : i + 1]):
+                        res.variant_rows.insert(0, 1)
+                        res.worst_fraction = max(res.worst_fraction, (out != ref[i : i + 1]).float().mean().item())
+                        break
             if len(ns) > 1:
                 parts = torch.cat([linear(x, wp, rows=block_rows) for wp in w.split(list(ns))], dim=1)
                 res.fused_differs = not torch.equal(parts, ref)
