@@ -73,7 +73,8 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory):
-    pytest.importorskip("deepspeed")
+    import deepspeed  # noqa: F401  (pinned in requirements/cpu.lock: a broken install fails here, never skips)
+
     out = tmp_path_factory.mktemp("zero3_rope") / "freqs.json"
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": os.pathsep.join(
         [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")])}
