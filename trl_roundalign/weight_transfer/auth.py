@@ -7,7 +7,8 @@
 load weights of its choosing, which the trainer would then sample from. `ServerTokenMiddleware` (installed by
 `serve` through vLLM's ``--middleware`` option, so every API-server process has it) requires the token in the
 `TOKEN_HEADER` header on every request whose path is not on `PUBLIC_PATHS` / `PUBLIC_PREFIXES`: every dev-mode
-endpoint, and any other route vLLM adds later, is refused without it (401; 403 with a wrong one). The token comes
+endpoint, the runtime LoRA routes, and any other route vLLM adds later, is refused without it (401; 403 with a wrong
+one). The token comes
 from the `TOKEN_ENV` environment variable, in the server's and in the trainer's environment alike;
 `GlooVLLMClient` sends it with every request.
 """
@@ -22,10 +23,17 @@ import secrets
 TOKEN_ENV = "ROUNDALIGN_SERVER_TOKEN"
 TOKEN_HEADER = "X-RoundAlign-Token"
 
-# Reachable without the token: liveness and version probes, metrics, and inference (vLLM's own --api-key guards
-# these prefixes when one is set). Everything else needs the token.
-PUBLIC_PATHS = frozenset({"/health", "/ping", "/version", "/load", "/metrics"})
-PUBLIC_PREFIXES = ("/v1/", "/v2/", "/inference/", "/cohere/", "/metrics/")
+# Reachable without the token, by exact path only: liveness and version probes, metrics, the model list, and the
+# inference routes TRL's vLLM client generates with (`/v1/completions`, `/v1/chat/completions` and its `/render`,
+# `/inference/v1/generate`; vLLM's own --api-key guards `/v1` and `/inference` when one is set). Everything else
+# needs the token, `/v1/` routes included: `/v1/load_lora_adapter` and `/v1/unload_lora_adapter`
+# (VLLM_ALLOW_RUNTIME_LORA_UPDATING=1) change what the server samples from, `/v1/responses/{id}/cancel` stops
+# another client's request, and a route vLLM adds later is refused until it is named here.
+PUBLIC_PATHS = frozenset({
+    "/health", "/ping", "/version", "/load", "/metrics",
+    "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/chat/completions/render", "/inference/v1/generate",
+})  # fmt: skip
+PUBLIC_PREFIXES = ("/metrics/",)
 
 __all__ = ["PUBLIC_PATHS", "PUBLIC_PREFIXES", "TOKEN_ENV", "TOKEN_HEADER", "ServerTokenMiddleware", "is_loopback", "new_token"]
 
