@@ -190,7 +190,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "scale = float(scaling) if scaling is not None else d**-0.5",
         "scale = d**-0.5",
         "the Hugging Face interface ignores the module's softmax scale (Gemma 3's query_pre_attn_scalar)",
-        (f"{ATTN}::test_padded_batch_equals_unpadded_rows", f"{ATTN}::test_hf_model_padded_batch_equals_single_rows"),
+        (f"{ATTN}::test_hf_interface_passes_the_modules_scale", f"{ATTN}::test_padded_batch_equals_unpadded_rows"),
     ),
     # ---- the row-block schedule --------------------------------------------------------------------------------
     Mutation(
@@ -198,30 +198,30 @@ MUTATIONS: tuple[Mutation, ...] = (
         "tail = x.new_zeros(rows, k)",
         "tail = x.new_zeros(m - full, k)",
         "the last row block is computed at its own row count, not zero-padded to the block size",
-        (f"{GEMM}::test_row_blocks_compute_f_linear_on_each_block", f"{GEMM}::test_row_blocks_are_batch_invariant_at_smollm2_shapes"),
+        (f"{GEMM}::test_every_gemm_call_has_exactly_block_rows_rows", f"{GEMM}::test_row_blocks_compute_f_linear_on_each_block"),
     ),
     Mutation(
         "gemm-block-size-doubled", "trl_roundalign/engine/gemm.py",
         "    return row_blocked_linear(x, weight, bias, rows)\n",
         "    return row_blocked_linear(x, weight, bias, 2 * rows)\n",
         "`linear` computes with another block size than the engine layout's",
-        (f"{GEMM}::test_row_blocks_are_batch_invariant_at_smollm2_shapes", f"{GEMM}::test_install_and_remove_on_a_model"),
+        (f"{GEMM}::test_every_gemm_call_has_exactly_block_rows_rows", f"{GEMM}::test_install_and_remove_on_a_model"),
     ),
     Mutation(
         "gemm-auto-ignores-measurement", "trl_roundalign/engine/gemm.py",
         "        if plain.invariant:\n            return 0, plain",
         "        if True:\n            return 0, plain",
         "'auto' takes plain F.linear without looking at the measurement (wrong on Intel AMX)",
-        (f"{GEMM}::test_choose_block_rows_follows_the_measurement",),
+        (f"{GEMM}::test_auto_blocks_where_plain_is_measured_variant", f"{GEMM}::test_choose_block_rows_follows_the_measurement"),
     ),
     # ---- the TP sum order --------------------------------------------------------------------------------------
     Mutation(
         "tp-sum-in-bf16", "trl_roundalign/engine/tp.py",
         "acc_dtype = torch.promote_types(weight.dtype, torch.float32)",
         "acc_dtype = weight.dtype",
-        "the row-parallel partials are summed in bf16 (the engine's all-reduce sums in fp32)",
-        (f"{TP_MINOR}::test_the_tp_sum_of_bf16_partials_still_goes_through_fp32",
-         f"{TP_ENGINE}::test_row_parallel_linear_is_two_rounded_partials_summed_in_fp32"),
+        "the row-parallel partials summed in bf16, not fp32 (the same bits at TP=2: two bf16 values add in fp32; not at 4)",
+        (f"{TP_MINOR}::test_the_tp_sum_is_carried_in_fp32_across_every_partial",
+         f"{TP_MINOR}::test_the_tp_sum_of_bf16_partials_still_goes_through_fp32"),
     ),
     Mutation(
         "tp-bias-in-last-partial", "trl_roundalign/engine/tp.py",
@@ -266,7 +266,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "merged.ratio_min = min(merged.ratio_min, s.ratio_min)",
         "merged.ratio_min = s.ratio_min",
         "a merged window's minimum ratio is its last part's, not the minimum over the parts",
-        (f"{METRICS}::test_merge_equals_union_of_tokens", f"{WINDOWS}::test_logged_max_min_and_counts_cover_the_whole_window"),
+        (f"{METRICS}::test_merge_takes_the_extremes_wherever_they_fall", f"{WINDOWS}::test_logged_max_min_and_counts_cover_the_whole_window"),
     ),
     Mutation(
         "merge-abs-max-last", "trl_roundalign/metrics.py",
@@ -302,7 +302,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "        if chosen_score.frac_bitwise_equal < 1.0:",
         "        if chosen_score.frac_bitwise_equal < 0.99:",
         "exact mode accepted at 99% bit-identical (the rule is 100%)",
-        (f"{TIE}::test_an_exact_profile_that_ties_with_the_configured_one_is_refused",),
+        (f"{TIE}::test_an_exact_profile_short_of_100_percent_is_refused",),
     ),
     Mutation(
         "check-margin-ignored", "trl_roundalign/trainer/startup_check.py",
@@ -316,7 +316,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "best is not None and best.kl_k3 < better_ratio * chosen_score.kl_k3",
         "best is not None and best.kl_k3 < chosen_score.kl_k3",
         "a rival refutes the chosen profile without halving its k3 (better_ratio ignored)",
-        (f"{SERVER}::test_a_rival_must_beat_the_profile_by_more_than_the_engines_own_noise",),
+        (f"{TIE}::test_a_rival_must_beat_the_ratio_as_well_as_the_margin",),
     ),
     Mutation(
         "check-tie-by-order", "trl_roundalign/trainer/startup_check.py",
@@ -331,7 +331,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "runs = chosen_base if chosen_base in result.tied else None",
         "runs = chosen_base",
         "an undecidable tie accepts a chosen profile that is not one of the tied ones",
-        (f"{TIE}::test_a_tie_the_configuration_cannot_decide_is_reported_as_a_tie",),
+        (f"{TIE}::test_an_undecidable_tie_refuses_a_profile_outside_it",),
     ),
 )
 
