@@ -384,13 +384,26 @@ def test_env(work: Path) -> dict:
     return env
 
 
-def write_report(results: list[dict], kind: str, seconds: float, baseline_s: float) -> Path:
+def source_commit() -> str:
+    """The commit the copy was taken from, marked when the copied paths had uncommitted changes."""
+    def git(*a):
+        return subprocess.run(["git", "-C", str(ROOT), *a], capture_output=True, text=True).stdout.strip()
+
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    return head + (" + uncommitted changes" if git("status", "--porcelain", "--", *COPIED) else "")
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def write_report(results: list[dict], kind: str, seconds: float, baseline_s: float, commit: str) -> Path:
     out = ROOT / "docs" / "results" / kind
     out.mkdir(parents=True, exist_ok=True)
     killed = sum(r["verdict"] == "killed" for r in results)
     survived = sum(r["verdict"] == "survived" for r in results)
     errors = sum(r["verdict"] == "error" for r in results)
-    summary = {"cpu_kind": kind, "mutations": len(results), "killed": killed, "survived": survived, "errors": errors,
+    summary = {"cpu_kind": kind, "commit": commit, "mutations": len(results), "killed": killed, "survived": survived, "errors": errors,
                "seconds": round(seconds, 1), "baseline_seconds": round(baseline_s, 1), "results": results}
     (out / "mutation.json").write_text(json.dumps(summary, indent=1) + "\n")
     lines = [
@@ -400,14 +413,16 @@ def write_report(results: list[dict], kind: str, seconds: float, baseline_s: flo
         "temporary copy; its tests must fail under it. Killed: they did; survived: they passed (a missing test).",
         "",
         f"**{len(results)} mutations: {killed} killed, {survived} survived, {errors} errors**; "
-        f"{seconds / 60:.1f} min in all (the unmutated baseline of every named test: {baseline_s:.0f} s).",
+        f"{seconds / 60:.1f} min in all (the unmutated baseline of every named test: {baseline_s:.0f} s), "
+        f"on {commit}.",
         "",
         "| mutation | file | what it breaks | verdict | killed by | s |",
         "|---|---|---|---|---|---|",
     ]
     for r in results:
         by = f"`{r['killed_by']}`" if r["killed_by"] else ""
-        lines.append(f"| `{r['name']}` | `{r['file']}` | {r['breaks']} | {r['verdict']} | {by} | {r['seconds']:.0f} |")
+        lines.append(f"| `{r['name']}` | `{r['file']}` | {_cell(r['breaks'])} | {r['verdict']} | {_cell(by)} | "
+                     f"{r['seconds']:.0f} |")
     (out / "mutation.md").write_text("\n".join(lines) + "\n")
     return out / "mutation.md"
 
@@ -441,6 +456,7 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     start = time.perf_counter()
     kind = cpu_kind()
+    commit = source_commit()
     with tempfile.TemporaryDirectory(prefix="roundalign-mutate-") as tmp:
         work = Path(tmp)
         for name in COPIED:
@@ -504,7 +520,7 @@ def main(argv=None) -> int:
 
     seconds = time.perf_counter() - start
     if not args.only or args.report:
-        print(f"report: {write_report(results, kind, seconds, baseline_s)}")
+        print(f"report: {write_report(results, kind, seconds, baseline_s, commit)}")
     survived = [r["name"] for r in results if r["verdict"] == "survived"]
     errors = [r["name"] for r in results if r["verdict"] == "error"]
     killed = sum(r["verdict"] == "killed" for r in results)
