@@ -29,7 +29,7 @@ test-fast: setup
 	$(PY) -m pytest -q -m "not slow and not full" $(PYTEST_ARGS)
 
 # Mutation testing of the numerics core (scripts/mutate.py): each named one-line mutation must make its tests fail;
-# the report lands in docs/results/<cpu kind>/mutation.md. Not part of `make test` (about 15-25 min on 2 cores).
+# the report lands in docs/results/<cpu kind>/mutation.md. Not part of `make test` (5-14 min on 2 cores).
 # A subset: make mutate MUTATE_ARGS="--only tp-sum-in-bf16 merge-abs-max-last".
 mutate: setup
 	$(PY) scripts/mutate.py $(MUTATE_ARGS)
