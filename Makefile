@@ -6,7 +6,7 @@ export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 
-.PHONY: setup test test-full test-compat test-fast demo experiment bench lint results figures docs clean
+.PHONY: setup test test-full test-compat test-fast mutate demo experiment bench lint results figures docs clean
 
 setup:
 	@bash scripts/setup.sh
@@ -27,6 +27,12 @@ COMPAT_TESTS := tests/models/test_mismatch_vllm.py tests/ops/test_reference_vs_v
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow and not full" $(PYTEST_ARGS)
+
+# Mutation testing of the numerics core (scripts/mutate.py): each named one-line mutation must make its tests fail;
+# the report lands in docs/results/<cpu kind>/mutation.md. Not part of `make test` (5-14 min on 2 cores).
+# A subset: make mutate MUTATE_ARGS="--only tp-sum-in-bf16 merge-abs-max-last".
+mutate: setup
+	$(PY) scripts/mutate.py $(MUTATE_ARGS)
 
 demo: setup
 	$(PY) recipes/cpu/demo.py

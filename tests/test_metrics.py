@@ -296,6 +296,19 @@ def test_merge_equals_union_of_tokens():
     _assert_merge_equals_union(parts, union)
 
 
+def test_merge_takes_the_extremes_wherever_they_fall():
+    """A merge's min/max ratio and max |Δ| are the extremes over every part, whichever part holds them, in any order
+    (the union test above happens to hold its minimum ratio in its last part, where "the last part's" also passes)."""
+    train, infer, mask = _random_batch(0)
+    union = mismatch_sums(train, infer, mask)
+    parts = [mismatch_sums(train[i : i + 1], infer[i : i + 1], mask[i : i + 1]) for i in range(train.shape[0])]
+    assert union.ratio_min < 1.0 < union.ratio_max
+    for order in (parts, parts[::-1], parts[3:] + parts[:3]):
+        merged = merge_sums(order)
+        got = (merged.ratio_min, merged.ratio_max, merged.abs_diff_max)
+        assert got == (union.ratio_min, union.ratio_max, union.abs_diff_max), got
+
+
 def test_merge_is_bitwise_when_the_sums_are_exact():
     # dyadic log-ratios: every partial sum is exact, so every order gives the same bits
     infer = -torch.arange(1, 13, dtype=torch.float32).reshape(3, 4) / 8

@@ -257,9 +257,12 @@ def test_one_thread_is_batch_invariant_on_long_sequences(d, hq, hkv):
 @pytest.mark.vllm
 @needs_vllm
 def test_num_threads_is_restored():
+    """A one-call thread count is the process's again after the call. The count asked for differs from the current
+    one (under OMP_NUM_THREADS=1 a request for 1 thread would pass with no restore at all)."""
     before = torch.get_num_threads()
+    other = 2 if before == 1 else 1
     q, k, v = random_qkv([40], 4, 2, 32)
-    vllm_cpu_attention_forward(q, k, v, scale=32**-0.5, seq_lens=[40], num_threads=1)
+    vllm_cpu_attention_forward(q, k, v, scale=32**-0.5, seq_lens=[40], num_threads=other)
     assert torch.get_num_threads() == before
 
 
@@ -467,6 +470,22 @@ def test_padded_batch_equals_unpadded_rows(impl):
         pad = torch.ones(T_PAD, dtype=torch.bool)
         pad[sl] = False
         assert bool((out[i, pad] == 0).all())
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_hf_interface_passes_the_modules_scale():
+    """The softmax scale is the module's (`scaling`: Gemma 3's `query_pre_attn_scalar**-0.5`, not `1/sqrt(D)`), passed
+    to the kernel as given; `scaling=None` means `1/sqrt(D)`. The tests above pass `1/sqrt(D)` itself, which cannot
+    tell the module's scale from the default."""
+    query, key, value, padding_mask = _padded_batch()
+    off, n = ROWS[3]
+    row = [t[3, :, off : off + n].transpose(0, 1) for t in (query, key, value)]
+    for scaling, scale in ((0.3, 0.3), (None, 32**-0.5)):
+        out, _ = hf_attention_interface(_Module(), query, key, value, padding_mask, scaling=scaling)
+        assert_bitwise(out[3, off : off + n], vllm_cpu_attention_forward(*row, scale=scale, seq_lens=[n]))
+    assert not torch.equal(vllm_cpu_attention_forward(*row, scale=0.3, seq_lens=[n]),
+                           vllm_cpu_attention_forward(*row, scale=32**-0.5, seq_lens=[n]))
 
 
 @pytest.mark.vllm

@@ -69,6 +69,37 @@ def test_row_blocks_compute_f_linear_on_each_block(m, bias):
     assert_bitwise_equal(out, want, label=f"blocked vs F.linear per block, M={m}")
 
 
+@pytest.mark.parametrize("m", [1, 63, 64, 65, 130])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_every_gemm_call_has_exactly_block_rows_rows(monkeypatch, m, bias):
+    """The schedule itself, seen on any machine: every GEMM that `linear(rows=64)` runs has exactly 64 rows (the last
+    block zero-padded). Where the machine's GEMM is batch-invariant (AVX2, AMD AVX-512), an unpadded last block or
+    another block size gives the same bits, so the bitwise tests above cannot see them there; on Intel AMX they are
+    the batch-variance the schedule exists to remove."""
+    seen = []
+    real_mm, real_addmm = torch.mm, torch.addmm
+
+    def mm(a, b, *, out=None):
+        seen.append(a.shape[0])
+        return real_mm(a, b, out=out)
+
+    def addmm(c, a, b, *, out=None):
+        seen.append(a.shape[0])
+        return real_addmm(c, a, b, out=out)
+
+    x, w = _x(m, 576), _w(96, 576)
+    b = _w(96, 1, seed=2).squeeze(1) if bias else None
+    monkeypatch.setattr(torch, "mm", mm)
+    monkeypatch.setattr(torch, "addmm", addmm)
+    out = gemm.linear(x, w, b, rows=64)
+    monkeypatch.undo()
+    assert seen == [64] * -(-m // 64), seen
+    padded = torch.zeros(-(-m // 64) * 64, 576, dtype=x.dtype)
+    padded[:m] = x
+    want = torch.cat([F.linear(blk, w, b) for blk in padded.split(64)])[:m]
+    assert_bitwise_equal(out, want, label=f"linear(rows=64) vs F.linear per padded block, M={m}")
+
+
 def test_row_blocks_keep_leading_dims_and_dtype_checks():
     x = _x(2 * 5, 576).view(2, 5, 576)
     out = gemm.row_blocked_linear(x, _w(64, 576), None, 4)
@@ -128,6 +159,30 @@ def test_choose_block_rows_follows_the_measurement():
     assert (rows == 0) == plain.invariant, plain.summary()
     assert report.invariant
     assert report.block_rows == rows
+
+
+def test_auto_blocks_where_plain_is_measured_variant(monkeypatch):
+    """'auto' follows the measurement on every machine: where plain F.linear is measured batch-variant (as on Intel
+    AMX) it takes DEFAULT_BLOCK_ROWS, measured invariant. The test above only sees this machine's answer: where plain
+    is invariant, a rule that never blocks passes it."""
+    from transformers import Qwen3Config
+
+    cfg = Qwen3Config(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
+                      head_dim=64, vocab_size=2048)
+    asked = []
+
+    def measured(shapes, max_rows, block):  # plain (block 0) variant at M = 34, the row blocks invariant
+        asked.append(block)
+        res = gemm.ShapeResult("down_proj", 1536, (576,), 40, variant_rows=[] if block else [34],
+                               worst_fraction=0.0 if block else 1e-4)
+        return gemm.BatchInvarianceReport(block, max_rows, [res])
+
+    monkeypatch.setattr(gemm, "_cached_measure", measured)
+    rows, report = gemm.choose_block_rows(cfg, 300)
+    assert rows == gemm.DEFAULT_BLOCK_ROWS and report.invariant and report.block_rows == rows
+    assert asked == [0, gemm.DEFAULT_BLOCK_ROWS]
+    with pytest.raises(ValueError, match="roundalign_gemm_block_rows=64"):
+        gemm.choose_block_rows(cfg, 300, requested=0)
 
 
 def test_explicit_zero_where_plain_is_variant_is_refused_in_one_line():

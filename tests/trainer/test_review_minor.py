@@ -52,3 +52,17 @@ def test_the_tp_sum_of_bf16_partials_still_goes_through_fp32():
     parts = [F.linear(x[:, :32], w[:, :32]), F.linear(x[:, 32:], w[:, 32:])]
     want = (parts[0].float() + parts[1].float()).bfloat16()
     assert torch.equal(row_parallel_linear(x, w, None, 2, rows=0), want)
+
+
+def test_the_tp_sum_is_carried_in_fp32_across_every_partial():
+    """Each bf16 partial enters an fp32 running sum, rounded to bf16 once at the end. At TP=2 that equals a bf16
+    addition (torch adds two bf16 values in fp32 and rounds once), so the test above cannot tell an fp32 sum from a
+    bf16 one; with four partials a bf16 running sum rounds three times and differs."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(64, 256, generator=g).bfloat16()
+    w = torch.randn(48, 256, generator=g).bfloat16()
+    parts = [F.linear(x[:, r * 64 : (r + 1) * 64], w[:, r * 64 : (r + 1) * 64]) for r in range(4)]
+    fp32_sum = ((parts[0].float() + parts[1].float()) + parts[2].float()) + parts[3].float()
+    bf16_sum = ((parts[0] + parts[1]) + parts[2]) + parts[3]
+    assert not torch.equal(fp32_sum.bfloat16(), bf16_sum)  # the two sums are told apart on these shapes
+    assert torch.equal(row_parallel_linear(x, w, None, 4, rows=0), fp32_sum.bfloat16())

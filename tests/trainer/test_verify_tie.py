@@ -86,3 +86,56 @@ def test_a_tie_the_configuration_cannot_decide_is_reported_as_a_tie(both_exact, 
         assert result.verdict == "ok" and result.engine_profile == chosen
         assert sorted(result.tied) == ["vllm-compiled", "vllm-compiled-piecewise"]
     assert caplog.text.count("tie") >= 2
+
+
+def test_an_undecidable_tie_refuses_a_profile_outside_it(both_exact):
+    """A tie the configuration cannot decide clears only the tied profiles: a base profile outside the tie (here an
+    eager one) is refuted by the exact refinements that do reproduce the engine."""
+    with pytest.raises(ProfileMismatch, match="are both bit-identical to it and its configuration names neither"):
+        check("vllm-eager", engine(UNKNOWN))
+
+
+def _scored(monkeypatch, table, exacts=()):
+    """`_score` returns the set `(k3, bit-identical fraction)` of each profile; the candidates are `exacts`' refinements
+    (the bases are passed to `verify_profile` by the caller)."""
+
+    def fake_score(model, sequences, engine_logps, regions, profile, *a, **k):
+        k3, frac = table[profile]
+        return verify.CandidateScore(profile, list(regions), k3, frac, 0.0)
+
+    monkeypatch.setattr(verify, "_score", fake_score)
+    monkeypatch.setattr(verify, "_exact_refusal", lambda model: None)
+    monkeypatch.setattr(verify, "_family_profiles", lambda model: None)
+    monkeypatch.setattr(verify, "candidate_profiles", lambda info, exact=True: ([], list(exacts)))
+
+
+def test_an_exact_profile_short_of_100_percent_is_refused(monkeypatch):
+    """Exact mode means every token bit-identical: 99.5% is a mismatch (the other tests here only score 100% or 90%)."""
+    regions = ("rope", "swiglu", "rmsnorm", "attention")
+    table = {"vllm-compiled-exact": (1e-12, 0.995), "vllm-compiled-piecewise-exact": (1e-6, 0.5)}
+    _scored(monkeypatch, table, exacts=EXACT_REFINEMENTS)
+    with pytest.raises(ProfileMismatch, match=r"reproduces 99\.5% of the engine's log-probs bit for bit, not 100%"):
+        check("vllm-compiled-exact", engine(ONE_GRAPH), regions=regions)
+    table["vllm-compiled-exact"] = (0.0, 1.0)
+    assert check("vllm-compiled-exact", engine(ONE_GRAPH), regions=regions).verdict == "ok"
+
+
+def test_a_rival_must_beat_the_ratio_as_well_as_the_margin(monkeypatch):
+    """Against an engine no exact refinement can decide (a GPU engine, a refused family), a base rival refutes the
+    chosen profile only below `better_ratio` (default: half) of its k3: 0.7x does not, 0.4x does. The server-mode test
+    passes `better_ratio=1.0`, so it cannot see the ratio."""
+    table = {"vllm-compiled": (1e-4, 0.0), "vllm-compiled-piecewise": (0.7e-4, 0.0)}
+    _scored(monkeypatch, table)
+    seqs = [list(range(3, 15))]
+    engine_logps = [torch.linspace(-3.0, -0.5, 11)]
+
+    def run():
+        return verify_profile(torch.nn.Module(), engine_logps, seqs, chosen="vllm-compiled",
+                              regions=("rope", "swiglu", "rmsnorm"), candidates=list(table), lanes=None)
+
+    assert verify.CLEARLY_BETTER == 0.5
+    result = run()
+    assert result.verdict == "ok" and result.engine_profile == "vllm-compiled"
+    table["vllm-compiled-piecewise"] = (0.4e-4, 0.0)
+    with pytest.raises(ProfileMismatch, match="worse than 'vllm-compiled-piecewise'"):
+        run()
