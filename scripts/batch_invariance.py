@@ -2,8 +2,9 @@
 
 For each model's linear shapes as the engine computes them (`gemm.linear_shapes`: q/k/v and gate/up fused, o, down,
 lm_head), `gemm.measure_batch_invariance` multiplies random bf16 rows once as a whole (1024 rows) and as their first
-M rows for every M of `gemm.row_counts(1024)` (1-32, then steps of ~7%), with plain `F.linear` and with row blocks of
-64 and 128; fused shapes are also compared with their parts. A shape is variant if any M gives any other bit.
+M rows for every M of `gemm.row_counts(1024)` (1-32, then steps of ~7%), and each of the first 128 rows alone (a
+decode step with one running sequence), with plain `F.linear` and with row blocks of 64 and 128; fused shapes are
+also compared with their parts. A shape is variant if any call gives any other bit.
 
 Run: `.venv/bin/python scripts/batch_invariance.py [--rows 1024] [--out DIR]`. Writes DIR/batch_invariance.{md,json}
 (default docs/results/<cpu kind>: amx, avx512 or avx2, as `gemm.cpu_kind()` names this machine).

@@ -119,3 +119,17 @@ def test_no_arrow_runs_back_up():
             if m == floor or m.startswith(floor + "."):
                 back += [f"{m} -> {d}" for d in _imports(m, p, mods) if d.startswith(above)]
     assert not back, "imports from a higher floor: " + "; ".join(sorted(back))
+
+
+def test_the_old_flat_module_paths_import_the_moved_modules():
+    """Code and docs written against the flat layout (`trl_roundalign.config`, `.gemm`, `.verify`, ...) keep working:
+    each old path imports the very module object of its new home."""
+    import importlib
+
+    import trl_roundalign
+
+    for old, new in trl_roundalign._MOVED.items():
+        assert importlib.import_module(f"trl_roundalign.{old}") is importlib.import_module(f"trl_roundalign.{new}"), old
+    from trl_roundalign.config import RoundAlignGRPOConfig  # noqa: F401
+    from trl_roundalign.trainer import RoundAlignGRPOTrainer, check_trl_internals  # noqa: F401
+    from trl_roundalign.engine import EngineInfo, build_llm, engine_info, profile_for_engine  # noqa: F401
