@@ -116,7 +116,13 @@ def test_olmo2_trains_in_server_mode(tmp_path):
 def test_server_mode_verification_logs_the_right_profile(server, tmp_path, caplog):
     with server.log_on_failure(), caplog.at_level(logging.INFO, logger="trl_roundalign.trainer.grpo"):
         trainer = server_trainer(server, tmp_path, "vllm-compiled")
-        trainer.vllm_generation.vllm_client.close_communicator()
+        client = trainer.vllm_generation.vllm_client
+        assert client.communicator is not None
+        # close() closes a server-mode trainer's weight-transfer group (it used to do nothing in server mode, and a
+        # group left open outlived the server its peers ran in); a second close() does nothing.
+        trainer.close()
+        assert client.communicator is None
+        trainer.close()
     lines = [r.getMessage() for r in caplog.records if "verified against the vLLM server" in r.getMessage()]
     assert len(lines) == 1 and lines[0].startswith("profile vllm-compiled verified against the vLLM server at "), lines
     assert "cpu, compiled" in lines[0]
