@@ -7,7 +7,9 @@ computed in the same call. Exact mode needs it: the engine computes a token's ro
 Whether it holds is a property of the machine's GEMM, not of the model, so it is measured, never assumed
 (`measure_batch_invariance`). Measured with torch 2.13.0+cpu (oneDNN's bf16 matmul):
 
-- AMD AVX2 and AMD AVX-512 (no AMX): exact mode is bit-identical at the tests' and SmolLM2's shapes there;
+- AMD AVX2 and AMD AVX-512 (no AMX): invariant at every row count of the tests' and SmolLM2's shapes; on AMD
+  AVX-512 a 1-row call at K = 1536 (SmolLM2's down_proj) gives some rows other bits (a decode step with one running
+  sequence; docs/results/avx512/batch_invariance.md), so "auto" takes row blocks there;
 - Intel Xeon with AMX: *not* invariant. oneDNN picks its kernel by the row count M, and rows of one input get
   other bits at other M (SmolLM2's projections and lm_head from M = 34 to 350-682 against a 1024-row call, up to
   1.4e-4 of outputs; docs/results/amx/batch_invariance.md, scripts/batch_invariance.py).
