@@ -131,5 +131,6 @@ def test_the_old_flat_module_paths_import_the_moved_modules():
     for old, new in trl_roundalign._MOVED.items():
         assert importlib.import_module(f"trl_roundalign.{old}") is importlib.import_module(f"trl_roundalign.{new}"), old
     from trl_roundalign.config import RoundAlignGRPOConfig  # noqa: F401
-    from trl_roundalign.trainer import RoundAlignGRPOTrainer, check_trl_internals  # noqa: F401
+
     from trl_roundalign.engine import EngineInfo, build_llm, engine_info, profile_for_engine  # noqa: F401
+    from trl_roundalign.trainer import RoundAlignGRPOTrainer, check_trl_internals  # noqa: F401
