@@ -23,10 +23,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from _results import cpu_model, write_table  # noqa: E402
 
-from trl_roundalign.engine import (
-    gemm,  # noqa: E402
-    set_offline_defaults,  # noqa: E402
-)
+from trl_roundalign.engine import gemm, set_offline_defaults  # noqa: E402
 
 set_offline_defaults(ROOT / ".cache")
 
