@@ -130,6 +130,17 @@ def test_the_old_flat_module_paths_import_the_moved_modules():
 
     for old, new in trl_roundalign._MOVED.items():
         assert importlib.import_module(f"trl_roundalign.{old}") is importlib.import_module(f"trl_roundalign.{new}"), old
+        # The module keeps its own spec: a spec naming the old path makes every relative import inside it raise
+        # "ImportWarning: __package__ != __spec__.parent" (an error under warnings-as-errors, as in CI).
+        module = importlib.import_module(f"trl_roundalign.{new}")
+        assert module.__spec__.name == module.__name__ == f"trl_roundalign.{new}", old
+    import warnings
+
+    from trl_roundalign.trainer import options
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        exec("from ..models import ARCH_SPECS", dict(vars(options)))  # a relative import in the module's globals
     from trl_roundalign.config import RoundAlignGRPOConfig  # noqa: F401
 
     from trl_roundalign.engine import EngineInfo, build_llm, engine_info, profile_for_engine  # noqa: F401

@@ -69,10 +69,14 @@ class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return importlib.util.spec_from_loader(fullname, self)
 
     def create_module(self, spec):
-        return importlib.import_module(f"{__name__}.{_MOVED[spec.name.removeprefix(__name__ + '.')]}")
+        module = importlib.import_module(f"{__name__}.{_MOVED[spec.name.removeprefix(__name__ + '.')]}")
+        spec.loader_state = module.__spec__  # the import system is about to overwrite it with `spec`
+        return module
 
     def exec_module(self, module):
-        pass  # the module ran under its own name
+        # The module ran under its own name. Give it back its own spec: one naming the old path makes every relative
+        # import inside it warn (ImportWarning: __package__ != __spec__.parent), an error under warnings-as-errors.
+        module.__spec__ = module.__spec__.loader_state
 
 
 if not any(isinstance(f, _MovedModuleFinder) for f in sys.meta_path):
