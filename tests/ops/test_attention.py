@@ -256,6 +256,37 @@ def test_one_thread_is_batch_invariant_on_long_sequences(d, hq, hkv):
 
 @pytest.mark.vllm
 @needs_vllm
+@pytest.mark.parametrize("d", [128, 64])
+def test_decode_form_is_each_tokens_own_decode_step_whatever_else_is_in_the_call(d):
+    """Decode form (`decode_from`): each token after the prompt is one query over its prefix, the keys on one thread.
+    Computed in one call for two long sequences it gives every token the bits of a call that decodes that token
+    alone (a decode step of one sequence), on the process's threads: the sampler's value whatever shared its step."""
+    lens, prompts = [700, 450], [17, 60]
+    q, k, v = random_qkv(lens, 4, 2, d, seed=4)
+    out = vllm_cpu_attention_forward(q, k, v, scale=d**-0.5, seq_lens=lens, decode_from=prompts, kv_split=False)
+    start = 0
+    for n, p in zip(lens, prompts):
+        for t in [p - 1, p, p + 1, 100, 321, 333, 449, n - 1]:
+            if t >= n:
+                continue
+            sl = slice(start, start + t + 1)
+            alone = vllm_cpu_attention_forward(q[sl], k[sl], v[sl], scale=d**-0.5, seq_lens=[t + 1],
+                                               decode_from=[min(t, p)], kv_split=False)
+            assert_bitwise(out[start + t], alone[t])
+        start += n
+    # the prompt is one prefill: the tokens before `decode_from` are those of the prompt's own prefill
+    prompt_only = vllm_cpu_attention_forward(q[:17], k[:17], v[:17], scale=d**-0.5, seq_lens=[17])
+    assert_bitwise(out[:17], prompt_only)
+
+
+def test_decode_from_must_fit_each_sequence():
+    q, k, v = random_qkv([5, 3], 2, 1, 32)
+    with pytest.raises(ValueError, match="decode_from must give each of the 2 sequences a prefill length"):
+        vllm_cpu_attention_forward(q, k, v, scale=1.0, seq_lens=[5, 3], decode_from=[2, 4])
+
+
+@pytest.mark.vllm
+@needs_vllm
 def test_num_threads_is_restored():
     """A one-call thread count is the process's again after the call. The count asked for differs from the current
     one (under OMP_NUM_THREADS=1 a request for 1 thread would pass with no restore at all)."""

@@ -46,6 +46,8 @@ their tokens into one varlen call and scatters the result back (zeros at padding
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import importlib
 import logging
@@ -62,6 +64,7 @@ __all__ = [
     "VllmCpuAttention",
     "attention_backward_fp32",
     "hf_attention_interface",
+    "sampled_from",
     "segments_from_attention_mask",
     "vllm_cpu_attention",
     "vllm_cpu_attention_available",
@@ -160,8 +163,10 @@ def vllm_cpu_attention_forward(
     block_size: int = DEFAULT_BLOCK_SIZE,
     num_threads: int | None = None,
     sliding_window: int = -1,
+    decode_from: Sequence[int] | None = None,
+    kv_split: bool | None = None,
 ) -> torch.Tensor:
-    """Causal varlen attention computed by vLLM-CPU's prefill kernel (no autograd).
+    """Causal varlen attention computed by vLLM-CPU's kernel (no autograd), in prefill or decode form.
 
     Args:
         q: `[T, Hq, D]`, the packed queries of all sequences (bf16 or fp16, CPU).
@@ -172,6 +177,11 @@ def vllm_cpu_attention_forward(
         num_threads: OpenMP threads for this call (`None`: the current setting, which is what an
             in-process engine uses). The engine's count is needed for bitwise equality on long sequences.
         sliding_window: the layer's window as vLLM passes it (`-1`: none), to the schedule and the kernel.
+        decode_from: per sequence, the number of its leading tokens computed as one prefill (the prompt); each later
+            token is computed as the engine's decode step computed it: one query over its prefix (the sampler's
+            form, see the module docstring). `None`: every sequence is one prefill.
+        kv_split: whether the schedule may split a one-query request's keys over threads (the engine's
+            `VLLM_CPU_ATTN_SPLIT_KV`); `None`: this process's vLLM setting.
 
     Returns:
         `[T, Hq, D]` in the input dtype, each sequence attending causally to itself only.
@@ -182,6 +192,7 @@ def vllm_cpu_attention_forward(
     """
     n_tok, hq, hkv, d = _check_qkv(q, k, v)
     lens = _check_seq_lens(seq_lens, n_tok)
+    prefill = _check_decode_from(decode_from, lens)
     if block_size < 1:
         raise ValueError(f"block_size must be positive, got {block_size}.")
     ops, get_isa, enable_kv_split = _vllm_cpu_ops()
@@ -192,18 +203,32 @@ def vllm_cpu_attention_forward(
             "process (the Linux permission request, torch.cpu._init_amx(), was refused)."
         )
 
+    if kv_split is None:
+        kv_split = enable_kv_split
     n_seq = len(lens)
-    seq_lens_t = torch.tensor(lens, dtype=torch.int32)
-    query_start_loc = torch.zeros(n_seq + 1, dtype=torch.int32)
-    torch.cumsum(seq_lens_t, 0, out=query_start_loc[1:])
     blocks = [(s + block_size - 1) // block_size for s in lens]
     first_block = [0]
     for b in blocks[:-1]:
         first_block.append(first_block[-1] + b)
     num_blocks = first_block[-1] + blocks[-1]
-    block_table = torch.zeros(n_seq, max(blocks), dtype=torch.int32)
+    # The requests of the call: each sequence's prefill, then (decode form) one request per later token, with its
+    # prefix as the sequence length and the sequence's blocks. Queries stay in the packed order of `q`.
+    owner, req_seq_lens, req_query_lens = [], [], []
+    for i, (length, pf) in enumerate(zip(lens, prefill)):
+        owner.append(i)
+        req_seq_lens.append(pf)
+        req_query_lens.append(pf)
+        owner.extend([i] * (length - pf))
+        req_seq_lens.extend(range(pf + 1, length + 1))
+        req_query_lens.extend([1] * (length - pf))
+    n_req = len(owner)
+    seq_lens_t = torch.tensor(req_seq_lens, dtype=torch.int32)
+    query_start_loc = torch.zeros(n_req + 1, dtype=torch.int32)
+    torch.cumsum(torch.tensor(req_query_lens, dtype=torch.int32), 0, out=query_start_loc[1:])
+    seq_table = torch.zeros(n_seq, max(blocks), dtype=torch.int32)
     for i, (start, b) in enumerate(zip(first_block, blocks)):
-        block_table[i, :b] = torch.arange(start, start + b, dtype=torch.int32)
+        seq_table[i, :b] = torch.arange(start, start + b, dtype=torch.int32)
+    block_table = seq_table if n_req == n_seq else seq_table[torch.tensor(owner)].contiguous()
     slot_mapping = torch.cat(
         [torch.arange(s, dtype=torch.int64) + start * block_size for s, start in zip(lens, first_block)]
     )
@@ -221,7 +246,7 @@ def vllm_cpu_attention_forward(
         ops.cpu_attn_reshape_and_cache(k.contiguous(), v.contiguous(), key_cache, value_cache, slot_mapping, isa)
         # Built right before the call: the schedule records the thread count, and the kernel checks it.
         scheduler_metadata = ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=n_seq,
+            num_reqs=n_req,
             num_heads=hq,
             num_kv_heads=hkv,
             head_dim=d,
@@ -231,7 +256,7 @@ def vllm_cpu_attention_forward(
             causal=True,
             sliding_window_size=int(sliding_window),
             isa=isa,
-            enable_kv_split=enable_kv_split,
+            enable_kv_split=bool(kv_split),
         )
         ops.cpu_attention_with_kv_cache(
             query=q,
@@ -253,6 +278,19 @@ def vllm_cpu_attention_forward(
         if num_threads is not None:
             torch._C.set_num_threads(previous_threads)
     return out
+
+
+def _check_decode_from(decode_from: Sequence[int] | None, lens: list[int]) -> list[int]:
+    """Each sequence's prefill length: its `decode_from` entry (1 to its length), or the whole sequence."""
+    if decode_from is None:
+        return list(lens)
+    prefill = [int(p) for p in decode_from]
+    if len(prefill) != len(lens) or any(not 1 <= p <= n for p, n in zip(prefill, lens)):
+        raise ValueError(
+            f"decode_from must give each of the {len(lens)} sequences a prefill length from 1 to its length "
+            f"({lens}); got {prefill}."
+        )
+    return prefill
 
 
 def attention_backward_fp32(
@@ -302,7 +340,8 @@ class VllmCpuAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, seq_lens, block_size=DEFAULT_BLOCK_SIZE, num_threads=None, sliding_window=-1):
+    def forward(ctx, q, k, v, scale, seq_lens, block_size=DEFAULT_BLOCK_SIZE, num_threads=None, sliding_window=-1,
+                decode_from=None, kv_split=None):
         lens = _check_seq_lens(seq_lens, q.shape[0])
         _check_within_window(lens, sliding_window)
         out = vllm_cpu_attention_forward(
@@ -314,6 +353,8 @@ class VllmCpuAttention(torch.autograd.Function):
             block_size=block_size,
             num_threads=num_threads,
             sliding_window=sliding_window,
+            decode_from=decode_from,
+            kv_split=kv_split,
         )
         ctx.save_for_backward(q, k, v)
         ctx.scale = float(scale)
@@ -324,7 +365,7 @@ class VllmCpuAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v = ctx.saved_tensors
         dq, dk, dv = attention_backward_fp32(grad_out, q, k, v, ctx.scale, ctx.seq_lens)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None
 
 
 def _check_within_window(lens: Sequence[int], sliding_window: int | None) -> None:
@@ -351,12 +392,33 @@ def vllm_cpu_attention(
     block_size: int = DEFAULT_BLOCK_SIZE,
     num_threads: int | None = None,
     sliding_window: int = -1,
+    decode_from: Sequence[int] | None = None,
+    kv_split: bool | None = None,
 ) -> torch.Tensor:
     """Differentiable `vllm_cpu_attention_forward` (see `VllmCpuAttention`); a `sliding_window` (vLLM's value)
     only where every sequence fits in it."""
     _check_qkv(q, k, v)
     lens = _check_seq_lens(seq_lens, q.shape[0])
-    return VllmCpuAttention.apply(q, k, v, scale, lens, block_size, num_threads, sliding_window)
+    return VllmCpuAttention.apply(q, k, v, scale, lens, block_size, num_threads, sliding_window,
+                                  None if decode_from is None else list(decode_from), kv_split)
+
+
+# The column from which the tokens of a batch were generated (TRL's prompt + completion layout: the completions
+# are the last `logits_to_keep` columns). Set by `sampled_from`; read by `hf_attention_interface`.
+_DECODE_FROM_COLUMN: contextvars.ContextVar[int | None] = contextvars.ContextVar("roundalign_decode_from", default=None)
+
+
+@contextlib.contextmanager
+def sampled_from(column: int):
+    """Inside: `hf_attention_interface` computes every query token at `column` or later (the completion tokens a
+    sampler generated) in decode form, as the engine's decode steps computed them, one query over its prefix with
+    the keys kept on one thread (no KV split); the tokens before it (the prompt) as one prefill per sequence.
+    Outside, and for sequences that start at or after `column`, every sequence is one prefill."""
+    token = _DECODE_FROM_COLUMN.set(int(column))
+    try:
+        yield
+    finally:
+        _DECODE_FROM_COLUMN.reset(token)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -484,8 +546,9 @@ _PLAN_CACHE: dict[str, object] = {}
 
 def _packing_plan(
     attention_mask: torch.Tensor | None, batch: int, seq_len: int
-) -> tuple[list[int], torch.Tensor, torch.Tensor]:
-    """`(seq_lens, row_index, position)`: the packed order of every sequence's tokens in the batch."""
+) -> tuple[list[int], torch.Tensor, torch.Tensor, list[int]]:
+    """`(seq_lens, row_index, position, starts)`: the packed order of every sequence's tokens in the batch, and
+    each sequence's first column."""
     key = (batch, seq_len)
     cached = _PLAN_CACHE.get("mask", _PLAN_CACHE)
     if (
@@ -502,7 +565,7 @@ def _packing_plan(
         row_idx = torch.cat([torch.full((n,), row, dtype=torch.long) for row, _, n in flat])
     else:
         pos = row_idx = torch.empty(0, dtype=torch.long)
-    plan = (lens, row_idx, pos)
+    plan = (lens, row_idx, pos, [a for _, a, _ in flat])
     _PLAN_CACHE.clear()
     _PLAN_CACHE.update(
         key=key,
@@ -568,16 +631,21 @@ def hf_attention_interface(
         )
     scale = float(scaling) if scaling is not None else d**-0.5
 
-    lens, row_idx, pos = _packing_plan(attention_mask, batch, q_len)
+    lens, row_idx, pos, starts = _packing_plan(attention_mask, batch, q_len)
     out = query.new_zeros(batch, q_len, hq, d)
     if not lens:
         return out, None
+    decode_from, kv_split = None, None
+    column = _DECODE_FROM_COLUMN.get()
+    if column is not None:
+        decode_from = [min(max(column - a, 1), n) for a, n in zip(starts, lens)]
+        kv_split = False
     q_packed = query.transpose(1, 2)[row_idx, pos]  # [N, Hq, D]
     k_packed = key.transpose(1, 2)[row_idx, pos]
     v_packed = value.transpose(1, 2)[row_idx, pos]
     o_packed = vllm_cpu_attention(
         q_packed, k_packed, v_packed, scale=scale, seq_lens=lens, block_size=block_size, num_threads=num_threads,
-        sliding_window=window,
+        sliding_window=window, decode_from=decode_from, kv_split=kv_split,
     )
     out = out.index_put((row_idx, pos), o_packed)
     return out, None
