@@ -288,8 +288,6 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # ------------------------------------------------------------------ the engine's layout
-
     @property
     def roundalign_engine(self):
         """The colocated engine's layout (`EngineLayout`); None in server mode (see `roundalign_layout`)."""
@@ -492,7 +490,7 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
     def _verify_colocated(self):
         args = self.args
         from ..scoring import vllm_prefill_logprobs
-        from .startup_check import verification_sequences, verify_profile
+        from .startup_check import verification_sequences, verify_against_sampler, verify_profile
 
         llm = self.vllm_generation.llm
         sequences = verification_sequences(llm.get_tokenizer())
@@ -506,9 +504,10 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
             )
         finally:
             self.roundalign_report = self._install_patches()
-        logger.info(
-            "profile %s verified against the engine in %.1f s (%d tokens)", result.chosen, result.seconds, result.tokens
-        )
+        if is_exact(self.roundalign_profile):
+            verify_against_sampler(self.model, llm, sequences, result)  # decode steps of a shrinking batch
+        logger.info("profile %s verified in %.1f s (%d tokens; sampler: %d)", result.chosen, result.seconds, result.tokens,
+                    result.sampler_tokens)
         return result
 
     def _verify_profile_server(self):

