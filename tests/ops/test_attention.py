@@ -279,6 +279,24 @@ def test_decode_form_is_each_tokens_own_decode_step_whatever_else_is_in_the_call
     assert_bitwise(out[:17], prompt_only)
 
 
+@pytest.mark.vllm
+@needs_vllm
+def test_the_prompt_horizon_is_where_a_prefill_starts_to_depend_on_its_batch():
+    """`prefill_batch_invariant_tokens`: up to the horizon a prompt's prefill has the same bits alone and beside
+    another sequence (checked again here at other lengths and another neighbour); one step above it, not. Measured
+    on this machine's threads (None where every length up to the limit is invariant, e.g. one thread)."""
+    from trl_roundalign.ops.attention import prefill_batch_invariant_tokens
+
+    horizon = prefill_batch_invariant_tokens(128, 4, 2, limit=1024)
+    if horizon is None:
+        pytest.skip(f"every prompt up to 1024 tokens is batch-invariant here ({torch.get_num_threads()} threads)")
+    assert horizon % 32 == 0 and horizon >= 0
+    for n in sorted({32, horizon // 2, horizon} - {0}):
+        q, k, v = random_qkv([n, 333], 4, 2, 128, seed=n)
+        alone = vllm_cpu_attention_forward(q[:n], k[:n], v[:n], scale=128**-0.5, seq_lens=[n])
+        assert_bitwise(vllm_cpu_attention_forward(q, k, v, scale=128**-0.5, seq_lens=[n, 333])[:n], alone)
+
+
 def test_decode_from_must_fit_each_sequence():
     q, k, v = random_qkv([5, 3], 2, 1, 32)
     with pytest.raises(ValueError, match="decode_from must give each of the 2 sequences a prefill length"):

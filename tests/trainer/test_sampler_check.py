@@ -76,3 +76,26 @@ def test_the_sampler_check_passes_on_the_projects_engine_and_fails_where_keys_ar
     print(error)
     assert error is not None and result.sampler_bitwise < 1.0
     assert error.startswith("Exact mode reproduces the engine's prefill but ") and "\n" not in error
+
+
+def test_a_prompt_past_the_horizon_is_said_once(caplog):
+    """The trainer's runtime check (`PromptHorizon.check`, on every log-prob forward in exact mode): a batch with a
+    prompt longer than the measured horizon logs one warning naming both lengths, once per run; shorter prompts
+    and a machine without a horizon say nothing."""
+    import logging
+
+    from trl_roundalign.trainer.startup_check import PromptHorizon
+
+    mask = torch.zeros(2, 700, dtype=torch.long)
+    mask[0, 100:] = 1  # a 500-token prompt (left-padded) and its completion from column 600
+    mask[1, 300:] = 1  # a 300-token prompt
+    horizon = PromptHorizon(544)
+    with caplog.at_level(logging.WARNING, logger="trl_roundalign.trainer.startup_check"):
+        horizon.check(mask, 600)
+        assert not caplog.records
+        mask[1, 0:] = 1  # a 600-token prompt
+        horizon.check(mask, 600)
+        horizon.check(mask, 600)
+        PromptHorizon(None).check(mask, 600)
+    [record] = caplog.records
+    assert "a prompt of 600 tokens is longer than the 544" in record.getMessage()

@@ -1,6 +1,6 @@
-"""Attention region: vLLM-CPU's own prefill kernel (`CPU_ATTN`) in the forward, fp32 gradients in the backward.
+"""Attention region: vLLM-CPU's own kernel (`CPU_ATTN`) in the forward, fp32 gradients in the backward.
 
-The forward calls the C++ op vLLM-CPU's attention backend calls during a prefill
+The forward calls the C++ op vLLM-CPU's attention backend calls in every step
 (`torch.ops._C.cpu_attention_with_kv_cache`, see `vllm/v1/attention/backends/cpu_attn.py`), on
 plain packed tensors: the keys and values are written into a small paged KV cache with vLLM's own
 cache-write op (`torch.ops._C.cpu_attn_reshape_and_cache`), and the work schedule is built with
@@ -30,6 +30,16 @@ is therefore the engine's, bit for bit, when the call sees what the engine saw:
   than the budget) is tiled differently: measured with one thread, a 500-token sequence split at
   token 77 differed on 3 of 512000 outputs, a 1200-token one split at 512 on 54 of 1.2M. vLLM never
   reads the prefix cache for requests with `prompt_logprobs`, so prefix caching does not interfere.
+
+**Decode form** (`decode_from`, and `sampled_from` for the Hugging Face interface): what the engine's *sampler*
+computed. Each generated token's logits came from a decode step, one query over the paged cache of its prefix,
+which the kernel tiles over the keys otherwise than a prefill once the prefix is longer than one key tile (a few
+hundred tokens at head dim 128), and whose keys the schedule may split over threads where a step's work is uneven
+(`VLLM_CPU_ATTN_SPLIT_KV`, on by default: then a token's bits depend on what else was decoding). In decode form one
+kernel call computes each sequence's prompt as one prefill request and every later token as its own one-query
+request with the sequence's blocks, the keys on one thread (`kv_split=False`): bit for bit the engine's decode
+steps when the engine runs with the split off (the project's engines do; `engine.build.keep_decode_keys_on_one_thread`),
+whatever the batch and at any length.
 
 Backward (`VllmCpuAttention`): the standard causal softmax attention gradient, recomputed in fp32
 from the saved bf16 `q`, `k`, `v` (grouped-query aware: the gradients of the query heads that share
@@ -64,6 +74,7 @@ __all__ = [
     "VllmCpuAttention",
     "attention_backward_fp32",
     "hf_attention_interface",
+    "prefill_batch_invariant_tokens",
     "sampled_from",
     "segments_from_attention_mask",
     "vllm_cpu_attention",
@@ -205,33 +216,8 @@ def vllm_cpu_attention_forward(
 
     if kv_split is None:
         kv_split = enable_kv_split
-    n_seq = len(lens)
-    blocks = [(s + block_size - 1) // block_size for s in lens]
-    first_block = [0]
-    for b in blocks[:-1]:
-        first_block.append(first_block[-1] + b)
-    num_blocks = first_block[-1] + blocks[-1]
-    # The requests of the call: each sequence's prefill, then (decode form) one request per later token, with its
-    # prefix as the sequence length and the sequence's blocks. Queries stay in the packed order of `q`.
-    owner, req_seq_lens, req_query_lens = [], [], []
-    for i, (length, pf) in enumerate(zip(lens, prefill)):
-        owner.append(i)
-        req_seq_lens.append(pf)
-        req_query_lens.append(pf)
-        owner.extend([i] * (length - pf))
-        req_seq_lens.extend(range(pf + 1, length + 1))
-        req_query_lens.extend([1] * (length - pf))
-    n_req = len(owner)
-    seq_lens_t = torch.tensor(req_seq_lens, dtype=torch.int32)
-    query_start_loc = torch.zeros(n_req + 1, dtype=torch.int32)
-    torch.cumsum(torch.tensor(req_query_lens, dtype=torch.int32), 0, out=query_start_loc[1:])
-    seq_table = torch.zeros(n_seq, max(blocks), dtype=torch.int32)
-    for i, (start, b) in enumerate(zip(first_block, blocks)):
-        seq_table[i, :b] = torch.arange(start, start + b, dtype=torch.int32)
-    block_table = seq_table if n_req == n_seq else seq_table[torch.tensor(owner)].contiguous()
-    slot_mapping = torch.cat(
-        [torch.arange(s, dtype=torch.int64) + start * block_size for s, start in zip(lens, first_block)]
-    )
+    num_blocks, seq_lens_t, query_start_loc, block_table, slot_mapping = _requests(tuple(lens), tuple(prefill), block_size)
+    n_req = seq_lens_t.numel()
 
     # The engine's cache layout: [blocks, kv_heads, block_size, 2 * D], keys then values per block row.
     kv_cache = torch.zeros(num_blocks, hkv, block_size, 2 * d, dtype=q.dtype)
@@ -280,6 +266,39 @@ def vllm_cpu_attention_forward(
     return out
 
 
+@functools.lru_cache(maxsize=8)
+def _requests(lens: tuple[int, ...], prefill: tuple[int, ...], block_size: int):
+    """The paged cache and the requests of one call (the same for every layer of a forward, hence cached; the
+    kernel only reads them): `(num_blocks, seq_lens, query_start_loc, block_table, slot_mapping)`. Each sequence
+    has its own blocks and one prefill request of its first `prefill` tokens; in decode form each later token is a
+    one-query request whose sequence length is its prefix, over the same blocks. Queries keep the packed order."""
+    blocks = [(s + block_size - 1) // block_size for s in lens]
+    first_block = [0]
+    for b in blocks[:-1]:
+        first_block.append(first_block[-1] + b)
+    num_blocks = first_block[-1] + blocks[-1]
+    owner, req_seq_lens, req_query_lens = [], [], []
+    for i, (length, pf) in enumerate(zip(lens, prefill)):
+        owner.append(i)
+        req_seq_lens.append(pf)
+        req_query_lens.append(pf)
+        owner.extend([i] * (length - pf))
+        req_seq_lens.extend(range(pf + 1, length + 1))
+        req_query_lens.extend([1] * (length - pf))
+    n_req = len(owner)
+    seq_lens_t = torch.tensor(req_seq_lens, dtype=torch.int32)
+    query_start_loc = torch.zeros(n_req + 1, dtype=torch.int32)
+    torch.cumsum(torch.tensor(req_query_lens, dtype=torch.int32), 0, out=query_start_loc[1:])
+    seq_table = torch.zeros(len(lens), max(blocks), dtype=torch.int32)
+    for i, (start, b) in enumerate(zip(first_block, blocks)):
+        seq_table[i, :b] = torch.arange(start, start + b, dtype=torch.int32)
+    block_table = seq_table if n_req == len(lens) else seq_table[torch.tensor(owner)].contiguous()
+    slot_mapping = torch.cat(
+        [torch.arange(s, dtype=torch.int64) + start * block_size for s, start in zip(lens, first_block)]
+    )
+    return num_blocks, seq_lens_t, query_start_loc, block_table, slot_mapping
+
+
 def _check_decode_from(decode_from: Sequence[int] | None, lens: list[int]) -> list[int]:
     """Each sequence's prefill length: its `decode_from` entry (1 to its length), or the whole sequence."""
     if decode_from is None:
@@ -291,6 +310,34 @@ def _check_decode_from(decode_from: Sequence[int] | None, lens: list[int]) -> li
             f"({lens}); got {prefill}."
         )
     return prefill
+
+
+def prefill_batch_invariant_tokens(
+    head_dim: int, num_heads: int, num_kv_heads: int, *, block_size: int = DEFAULT_BLOCK_SIZE, step: int = 32,
+    limit: int = 4096, dtype: torch.dtype = torch.bfloat16,
+) -> int | None:
+    """The longest prompt (a multiple of `step`) whose prefill this process's kernel computes with the same bits alone
+    and beside other sequences in one call, on this process's threads; None where every length up to `limit` is.
+
+    A prompt's prefill is one step of the engine shared with the batch's other prompts, and the schedule shares the
+    step's work among the threads: where a prompt is longer than one key tile, how its query tiles fall into work
+    items changes its bits, so it depends on the batch, which the trainer does not know. Measured, not derived: random
+    inputs, each length alone against itself after and before a 1,000-token sequence, from `step` up, stopping at
+    the first length that differs."""
+    g = torch.Generator().manual_seed(0)
+    other = 1000
+    for n in range(step, limit + 1, step):
+        q = (torch.randn(n + other, num_heads, head_dim, generator=g) * 2).to(dtype)
+        k = torch.randn(n + other, num_kv_heads, head_dim, generator=g).to(dtype)
+        v = torch.randn(n + other, num_kv_heads, head_dim, generator=g).to(dtype)
+        kw = dict(scale=head_dim**-0.5, block_size=block_size)
+        alone = vllm_cpu_attention_forward(q[:n], k[:n], v[:n], seq_lens=[n], **kw)
+        first = vllm_cpu_attention_forward(q, k, v, seq_lens=[n, other], **kw)[:n]
+        qq, kk, vv = (torch.cat([t[n:], t[:n]]) for t in (q, k, v))
+        last = vllm_cpu_attention_forward(qq, kk, vv, seq_lens=[other, n], **kw)[other:]
+        if not (torch.equal(alone, first) and torch.equal(alone, last)):
+            return n - step
+    return None
 
 
 def attention_backward_fp32(

@@ -158,7 +158,7 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
         if isinstance(model, os.PathLike):
             model = os.fspath(model)  # a checkpoint directory, e.g. what `build_tiny_model` returns
         args = self._upgrade_args(model, args)
-        self._check_options(model, args)
+        check_options(model, args)  # trainer.options: every refusal that needs no engine
         self._check_tp_lora(model, args, kwargs.get("peft_config"))
         self._roundalign_capture = False
         self._roundalign_seen: dict[int, weakref.ref] = {}
@@ -269,14 +269,12 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
         """Shut the colocated vLLM engine down and free its memory (KV cache, weights, graphs); in server mode, close
         the weight-transfer group with the server's ranks (its socket and rendezvous store).
 
-        Call it when you are done with the trainer (or use `with RoundAlignGRPOTrainer(...) as
-        trainer:`), above all before building another trainer or engine in the same process:
-        vLLM freezes the garbage collector when its engine starts, so a dropped trainer is otherwise
-        never freed (about 1 GiB each on CPU, the KV cache), and a server-mode trainer's open group keeps
-        the process waiting on peers that may be gone when it exits. The model, its patches and the saved
-        outputs stay usable; training or generating again after `close()` is not possible. Does nothing
-        when called twice.
-        """
+        Call it when you are done with the trainer (or use `with RoundAlignGRPOTrainer(...) as trainer:`), above all
+        before building another trainer or engine in the same process: vLLM freezes the garbage collector when its
+        engine starts, so a dropped trainer is otherwise never freed (about 1 GiB each on CPU, the KV cache), and a
+        server-mode trainer's open group keeps the process waiting on peers that may be gone when it exits. The
+        model, its patches and the saved outputs stay usable; training or generating again after `close()` is not
+        possible. Does nothing when called twice."""
         close_colocated_engine(self)
         client = getattr(getattr(self, "vllm_generation", None), "vllm_client", None)
         if client is not None and getattr(client, "communicator", None) is not None:
@@ -331,10 +329,6 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
         if isinstance(args, GRPOConfig):
             return RoundAlignGRPOConfig.from_grpo_config(args)
         raise TypeError(f"args must be a RoundAlignGRPOConfig or a trl.GRPOConfig, got {type(args).__name__}.")
-
-    @staticmethod
-    def _check_options(model, args: RoundAlignGRPOConfig) -> None:
-        check_options(model, args)  # trl_roundalign.trainer.options: every refusal that needs no engine
 
     @staticmethod
     def _check_tp_lora(model, args: RoundAlignGRPOConfig, peft_config) -> None:
@@ -490,7 +484,7 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
     def _verify_colocated(self):
         args = self.args
         from ..scoring import vllm_prefill_logprobs
-        from .startup_check import verification_sequences, verify_against_sampler, verify_profile
+        from .startup_check import PromptHorizon, verification_sequences, verify_against_sampler, verify_profile
 
         llm = self.vllm_generation.llm
         sequences = verification_sequences(llm.get_tokenizer())
@@ -506,6 +500,8 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
             self.roundalign_report = self._install_patches()
         if is_exact(self.roundalign_profile):
             verify_against_sampler(self.model, llm, sequences, result)  # decode steps of a shrinking batch
+            self._roundalign_horizon = PromptHorizon.measure(self.model, self._engine_block_size())
+            result.prompt_horizon = self._roundalign_horizon.tokens
         logger.info("profile %s verified in %.1f s (%d tokens; sampler: %d)", result.chosen, result.seconds, result.tokens,
                     result.sampler_tokens)
         return result
@@ -664,6 +660,8 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
             if "attention" in self.args.roundalign_regions and self.roundalign_engine is not None:
                 # The completions (the last `logits_to_keep` columns) were sampled one decode step per token.
                 scope.enter_context(sampled_from(input_ids.shape[1] - int(logits_to_keep)))
+                if (horizon := getattr(self, "_roundalign_horizon", None)) is not None:
+                    horizon.check(attention_mask, input_ids.shape[1] - int(logits_to_keep))
             out = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
         if self._roundalign_capture:
             self._roundalign_captured = out[0].detach()

@@ -171,6 +171,8 @@ class Verification:
     # and the share of them whose recomputed log-prob is the sampler's bit for bit (None: not checked).
     sampler_tokens: int = 0
     sampler_bitwise: float | None = None
+    # Exact mode: the longest prompt whose prefill is the same in any batch here (`PromptHorizon`; None: no limit).
+    prompt_horizon: int | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -600,3 +602,43 @@ def verify_against_sampler(model, llm, sequences: list[list[int]], result: Verif
             f"{first[0]}, completion token {first[1]}): the engine's decode computes something the trainer does not "
             "reproduce on this machine. Drop 'attention' from roundalign_regions, and report the engine layout."
         )
+
+
+class PromptHorizon:
+    """Exact mode's prompt limit on this machine: the longest prompt whose prefill the engine's attention kernel
+    computes with the same bits in any batch (`ops.attention.prefill_batch_invariant_tokens`, measured at start-up
+    at the model's attention shape and this process's threads, which a colocated engine shares). A longer prompt's
+    prefill depended on the other prompts of its engine step, which the trainer does not reproduce: its completion
+    tokens may differ from the sampler. `check` warns once per run when a batch has one (the mismatch metrics show
+    by how much)."""
+
+    def __init__(self, tokens: int | None):
+        self.tokens = tokens
+        self.warned = False
+
+    @classmethod
+    def measure(cls, model, block_size: int | None) -> PromptHorizon:
+        from ..ops.attention import DEFAULT_BLOCK_SIZE, prefill_batch_invariant_tokens
+
+        cfg = getattr(model, "config", None)
+        cfg = getattr(cfg, "text_config", None) or cfg
+        heads = int(cfg.num_attention_heads)
+        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+        kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+        horizon = cls(prefill_batch_invariant_tokens(head_dim, heads, kv_heads, block_size=block_size or DEFAULT_BLOCK_SIZE))
+        logger.info("exact mode: prompts of up to %s tokens are prefilled with the same bits in any batch here",
+                    "any number of" if horizon.tokens is None else horizon.tokens)
+        return horizon
+
+    def check(self, attention_mask, column: int) -> None:
+        if self.tokens is None or self.warned or attention_mask is None:
+            return
+        longest = int(attention_mask[:, :column].sum(dim=1).max())
+        if longest > self.tokens:
+            self.warned = True
+            logger.warning(
+                "exact mode: a prompt of %d tokens is longer than the %d up to which this machine's attention prefill "
+                "gives the same bits in any batch (measured at start-up): the engine's prefill of it depended on the "
+                "other prompts of its step, which the trainer does not reproduce, so its completions may differ from "
+                "the sampler (see mismatch/*). Shorter prompts keep exact mode exact.", longest, self.tokens,
+            )
