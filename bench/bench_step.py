@@ -6,6 +6,13 @@ Four trainers (`RoundAlignGRPOTrainer`, vLLM colocate), one after another in thi
 |---|---|---|
 | `bf16_default` | `[]` | off / on |
 | `three_region` | `[rope, swiglu, rmsnorm]` (profile `auto`, backend automatic) | off / on |
+| `exact` | `[rope, swiglu, rmsnorm, attention]` (the exact profile; vLLM-CPU only) | off / on |
+
+`--rounds R` runs the conditions R times in turn (A, B, C, A, B, C, ...: a slow spell of the machine then falls on
+every condition); the medians are over every timed step of every round. Each step is also cut into phases:
+generation (`vllm_generation.generate`), the weight sync into the engine, the scoring forward (log-prob forwards
+without gradient), forward + backward (the rest of `training_step`), the optimizer step, and the mismatch callback;
+and the step time per completion token is reported. The start-up check is timed apart (`verify_s`).
 
 Each runs `--warmup` untimed steps then `--steps` timed ones. A step is the time from one `on_step_begin` to the
 next (the last one: to `on_train_end`): generation in vLLM, rewards, the scoring forward, forward + backward,
@@ -40,6 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CONDITIONS = {
     "bf16_default": [],
     "three_region": ["rope", "swiglu", "rmsnorm"],
+    "exact": ["rope", "swiglu", "rmsnorm", "attention"],
 }
 
 
@@ -62,6 +70,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None, help="timed steps per condition (default 3; --quick 1)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 1; --quick 0)")
     p.add_argument("--conditions", default="bf16_default,three_region")
+    p.add_argument("--rounds", type=int, default=1, help="run the conditions this many times in turn (interleaved)")
+    p.add_argument("--max-model-length", type=int, default=512, help="vllm_max_model_length")
     p.add_argument("--log-mismatch", default="off,on", help="callback settings to run: off,on")
     p.add_argument("--batch", type=int, default=8, help="completions per step (per_device_train_batch_size)")
     p.add_argument("--num-generations", type=int, default=4)
@@ -103,6 +113,74 @@ class StepTimer:
     def steps(self) -> list[tuple[float, float]]:
         marks = self.begins + ([self.end] if self.end else [])
         return [(b[0] - a[0], b[1] - a[1]) for a, b in zip(marks, marks[1:])]
+
+
+class PhaseTimer:
+    """Wall-clock time per phase of each training step, by wrapping the trainer's own calls (see the docstring)."""
+
+    PHASES = ("generate_s", "sync_s", "score_s", "fwd_bwd_s", "optimizer_s")
+
+    def __init__(self, trainer):
+        import torch
+
+        self.steps: list[dict[str, float]] = []
+        self.current = dict.fromkeys(self.PHASES, 0.0)
+        self._opt_t0 = None
+        gen = trainer.vllm_generation
+        self._wrap(gen, "generate", "generate_s")
+        self._wrap(gen, "sync_weights", "sync_s")
+        self._wrap(trainer, "_get_per_token_logps_and_entropies", "score_s", when=lambda: not torch.is_grad_enabled())
+        prepare = self._wrap(trainer, "_prepare_inputs", None)
+        step = trainer.training_step
+
+        @functools.wraps(step)
+        def training_step(*a, **k):
+            t0, before = time.perf_counter(), prepare.spent
+            try:
+                return step(*a, **k)
+            finally:
+                self.current["fwd_bwd_s"] += time.perf_counter() - t0 - (prepare.spent - before)
+
+        trainer.training_step = training_step
+
+    def _wrap(self, obj, name, phase, when=None):
+        fn = getattr(obj, name)
+        timer = self
+
+        @functools.wraps(fn)
+        def timed(*a, **k):
+            if when is not None and not when():
+                return fn(*a, **k)
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                dt = time.perf_counter() - t0
+                timed.spent += dt
+                if phase is not None:
+                    timer.current[phase] += dt
+
+        timed.spent = 0.0
+        setattr(obj, name, timed)
+        return timed
+
+    def callback(self):
+        from transformers import TrainerCallback
+
+        timer = self
+
+        class _Phases(TrainerCallback):
+            def on_pre_optimizer_step(self, args, state, control, **kwargs):
+                timer._opt_t0 = time.perf_counter()
+
+            def on_optimizer_step(self, args, state, control, **kwargs):
+                timer.current["optimizer_s"] += time.perf_counter() - timer._opt_t0
+
+            def on_step_end(self, args, state, control, **kwargs):
+                timer.steps.append(timer.current)
+                timer.current = dict.fromkeys(timer.PHASES, 0.0)
+
+        return _Phases()
 
 
 def time_callback(cb) -> dict[str, float]:
@@ -159,7 +237,7 @@ def run_condition(model_path: str, condition: str, log_mismatch: bool, args, on_
         use_vllm=True,
         vllm_mode="colocate",
         vllm_gpu_memory_utilization=0.3,
-        vllm_max_model_length=512,
+        vllm_max_model_length=args.max_model_length,
         vllm_engine_kwargs={"enforce_eager": True} if args.enforce_eager else None,
         roundalign_regions=CONDITIONS[condition],
         roundalign_profile="auto",
@@ -187,6 +265,9 @@ def run_condition(model_path: str, condition: str, log_mismatch: bool, args, on_
         callbacks=[timer.callback()],
     )
     init_s = time.perf_counter() - t0
+    verification = getattr(trainer, "roundalign_verification", None)
+    phases = PhaseTimer(trainer)
+    trainer.add_callback(phases.callback())
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
     for cb in (PrinterCallback, ProgressCallback):  # keep stdout for the table
@@ -219,11 +300,54 @@ def run_condition(model_path: str, condition: str, log_mismatch: bool, args, on_
         ),
         "init_s": round(init_s, 1),
     }
+    timed = phases.steps[args.warmup :]
+    for phase in PhaseTimer.PHASES:
+        row[phase] = round(statistics.median([p[phase] for p in timed]), 3) if timed else None
+    if completion_len and wall:
+        tokens = [length * args.batch for length in completion_len]
+        row["ms_per_token"] = round(1e3 * statistics.median([w / t for w, t in zip(wall, tokens)]), 3)
+    row["verify_s"] = round(verification.seconds, 1) if verification is not None else None
+    row["step_times"] = [round(w, 3) for w in wall]
+    row["phase_times"] = [{k: round(v, 3) for k, v in p.items()} for p in timed]
     kl = [h.get("mismatch/kl_k3") for h in history if "mismatch/kl_k3" in h]
+    eq = [h.get("mismatch/frac_bitwise_equal") for h in history if "mismatch/frac_bitwise_equal" in h]
     if kl:
         row["kl_k3_last"] = kl[-1]
+    if eq:
+        row["bitwise_min"] = min(eq)
     trainer.close()
     return row
+
+
+def merge_rounds(rows: list[dict]) -> list[dict]:
+    """One row per (condition, callback) over every round: medians over all timed steps of all rounds."""
+    merged: dict[tuple, dict] = {}
+    for r in rows:
+        key = (r["condition"], r["log_mismatch"])
+        m = merged.setdefault(key, {**r, "step_times": [], "phase_times": [], "rounds": 0, "init_s": []})
+        m["step_times"] += r["step_times"]
+        m["phase_times"] += r["phase_times"]
+        m["init_s"].append(r["init_s"])
+        m["rounds"] += 1
+    out = []
+    for m in merged.values():
+        wall = m["step_times"]
+        m["steps"] = len(wall)
+        if wall:
+            m["step_s"], m["step_min_s"], m["step_max_s"] = round(statistics.median(wall), 3), min(wall), max(wall)
+        for phase in PhaseTimer.PHASES:
+            values = [p[phase] for p in m["phase_times"]]
+            m[phase] = round(statistics.median(values), 3) if values else None
+        m["init_s"] = round(statistics.median(m["init_s"]), 1)
+        out.append(m)
+    base = {r["log_mismatch"]: r for r in out if r["condition"] == "bf16_default"}
+    for r in out:
+        b = base.get(r["log_mismatch"])
+        if b is not None and b.get("step_s") and r.get("step_s"):
+            r["x_default"] = round(r["step_s"] / b["step_s"], 3)
+            if b.get("ms_per_token") and r.get("ms_per_token"):
+                r["x_default_per_token"] = round(r["ms_per_token"] / b["ms_per_token"], 3)
+    return out
 
 
 COLUMNS = [
@@ -238,6 +362,15 @@ COLUMNS = [
     ("completion_len", "completion len"),
     ("callback_ms_per_step", "callback ms/step"),
     ("callback_pct_of_step", "callback % of step"),
+    ("generate_s", "generate s"),
+    ("sync_s", "sync s"),
+    ("score_s", "score s"),
+    ("fwd_bwd_s", "fwd+bwd s"),
+    ("optimizer_s", "optim s"),
+    ("ms_per_token", "ms/token"),
+    ("x_default", "x default"),
+    ("x_default_per_token", "x default /token"),
+    ("verify_s", "check s"),
     ("init_s", "init s"),
 ]
 
@@ -272,12 +405,14 @@ def main(argv=None) -> int:
     conditions = [c for c in args.conditions.split(",") if c]
     callbacks = [{"off": False, "on": True}[c] for c in args.log_mismatch.split(",") if c]
     with tempfile.TemporaryDirectory(prefix="bench_step-") as tmp:
-        for condition in conditions:
-            for log_mismatch in callbacks:
-                print(f"# running {condition}, callback {'on' if log_mismatch else 'off'} ...", flush=True)
-                out_dir = os.path.join(tmp, f"{condition}-{int(log_mismatch)}")
-                rows.append(run_condition(model_path, condition, log_mismatch, args, on_gpu, out_dir))
-                torch.manual_seed(0)
+        for round_ in range(args.rounds):
+            for condition in conditions:
+                for log_mismatch in callbacks:
+                    print(f"# round {round_ + 1}: {condition}, callback {'on' if log_mismatch else 'off'} ...", flush=True)
+                    out_dir = os.path.join(tmp, f"{condition}-{int(log_mismatch)}-{round_}")
+                    rows.append(run_condition(model_path, condition, log_mismatch, args, on_gpu, out_dir))
+                    torch.manual_seed(0)
+    rows = merge_rounds(rows)
     for r in rows:
         r.update(model=name, batch=args.batch, max_completion_length=args.max_completion_length)
     print()
