@@ -65,13 +65,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--model",
         default=None,
-        help="smollm2-135m (CPU default), qwen3-1.7b-4l (GPU default), tiny-qwen3 (--quick), or a checkpoint folder",
+        help="smollm2-135m (CPU default), qwen3-1.7b-4l (GPU default), tiny-qwen3 (--quick), qwen3-hd128, or a folder",
     )
     p.add_argument("--steps", type=int, default=None, help="timed steps per condition (default 3; --quick 1)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 1; --quick 0)")
     p.add_argument("--conditions", default="bf16_default,three_region")
     p.add_argument("--rounds", type=int, default=1, help="run the conditions this many times in turn (interleaved)")
     p.add_argument("--max-model-length", type=int, default=512, help="vllm_max_model_length")
+    p.add_argument("--ignore-eos", action="store_true", help="every completion runs to --max-completion-length")
     p.add_argument("--log-mismatch", default="off,on", help="callback settings to run: off,on")
     p.add_argument("--batch", type=int, default=8, help="completions per step (per_device_train_batch_size)")
     p.add_argument("--num-generations", type=int, default=4)
@@ -212,6 +213,8 @@ def resolve_model(name: str | None, quick: bool, on_gpu: bool) -> tuple[str, str
 
     if name is None:
         name = "tiny-qwen3" if quick else ("qwen3-1.7b-4l" if on_gpu else "smollm2-135m")
+    if name == "qwen3-hd128":  # a small random Qwen3 at head dim 128 with a long context (sampler_by_length.py's)
+        return name, str(tiny_model("qwen3", num_hidden_layers=2, head_dim=128, max_position_embeddings=16384))
     if name == "qwen3-1.7b-4l":
         path = tiny_model(
             "qwen3", hidden_size=2048, intermediate_size=6144, num_attention_heads=16, num_key_value_heads=8,
@@ -240,6 +243,7 @@ def run_condition(model_path: str, condition: str, log_mismatch: bool, args, on_
         vllm_max_model_length=args.max_model_length,
         vllm_engine_kwargs={"enforce_eager": True} if args.enforce_eager else None,
         roundalign_regions=CONDITIONS[condition],
+        generation_kwargs={"ignore_eos": True} if args.ignore_eos else None,
         roundalign_profile="auto",
         log_mismatch=log_mismatch,
         loss_type="grpo",

@@ -95,7 +95,7 @@ def keep_decode_keys_on_one_thread() -> None:
     os.environ.setdefault(KV_SPLIT_ENV, "0")
     from vllm import envs
 
-    if envs._is_envs_cache_enabled() and bool(envs.VLLM_CPU_ATTN_SPLIT_KV) != bool(int(os.environ[KV_SPLIT_ENV])):
+    if bool(envs.VLLM_CPU_ATTN_SPLIT_KV) != bool(int(os.environ[KV_SPLIT_ENV])):  # only a cached value can differ
         envs.disable_envs_cache()
 
 
