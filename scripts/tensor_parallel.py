@@ -120,10 +120,13 @@ def trainer_logprobs(model_path, run: dict, condition: str, tp_form: int):
 
     cond = next(c for c in build_conditions("regions", "vllm-compiled", exact=True) if c.name == condition)
     model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.bfloat16, attn_implementation="sdpa").eval()
-    rows = run["gemm_block_rows"] or 0
+    from trl_roundalign.engine.gemm import GemmSchedule
+
+    rows = GemmSchedule(run["gemm_block_rows"] or 0, run["info"].get("gemm_min_rows") or 0)
     apply_condition(model, cond, run["lanes"], run["block_size"], None, None, rows)
     if tp_form > 1:
-        install_tp_linears(model, tp_form, rows if cond.regions else 0)
+        plain = not cond.regions
+        install_tp_linears(model, tp_form, 0 if plain else rows.block_rows, 0 if plain else rows.min_rows)
     return hf_logprobs(model, run["seqs"])
 
 

@@ -27,9 +27,9 @@ def _inputs(n: int, seed: int = 0):
     return hidden, weight, targets
 
 
-def _sampler(hidden, weight, targets, temperature, rows):
-    """vLLM's sampler on the engine's logits (the engine's linears: `rows`-row blocks, or plain F.linear)."""
-    logits = gemm.linear(hidden, weight, None, rows=rows).to(torch.float32)
+def _sampler(hidden, weight, targets, temperature, schedule):
+    """vLLM's sampler on the engine's logits (the engine's linears under `schedule`: row blocks, a row floor, or plain)."""
+    logits = gemm.linear(hidden, weight, None, *schedule).to(torch.float32)
     if temperature != 1.0:
         logits.div_(torch.tensor([temperature], dtype=torch.float32).unsqueeze(1))
     return logits.log_softmax(dim=-1, dtype=torch.float32).gather(1, targets[:, None]).squeeze(1)
@@ -37,7 +37,7 @@ def _sampler(hidden, weight, targets, temperature, rows):
 
 @pytest.mark.parametrize("n", [1, 37, 300])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-@pytest.mark.parametrize("rows", [0, 64])
+@pytest.mark.parametrize("rows", [gemm.GemmSchedule(), gemm.GemmSchedule(64), gemm.GemmSchedule(0, 2)], ids=str)
 def test_forward_is_the_samplers_bit_for_bit(n, temperature, rows):
     hidden, weight, targets = _inputs(n)
     lp, ent, *_ = logprobs.SamplerLogProb.apply(hidden, weight, None, targets, temperature, 32768, None, 1.0, ("entropy",), rows)
@@ -53,7 +53,7 @@ def test_trls_fused_head_differs_from_the_sampler():
 
     hidden, weight, targets = _inputs(300)
     trl_lp = ChunkedLogProbFunction.apply(hidden, weight, None, targets, 1.0, 32768, None, 1.0, ("entropy",))[0]
-    sampler = _sampler(hidden, weight, targets, 1.0, 0)
+    sampler = _sampler(hidden, weight, targets, 1.0, gemm.GemmSchedule())
     assert not torch.equal(trl_lp, sampler)
     torch.testing.assert_close(trl_lp, sampler, rtol=0, atol=1e-4)  # the same function, rounded otherwise
 
@@ -65,7 +65,7 @@ def test_gradients_are_trls():
     g_lp = torch.randn(50, generator=torch.Generator().manual_seed(2))
     g_ent = torch.randn(50, generator=torch.Generator().manual_seed(3))
     grads = []
-    for fn, extra in ((logprobs.SamplerLogProb, (64,)), (ChunkedLogProbFunction, ())):
+    for fn, extra in ((logprobs.SamplerLogProb, (gemm.GemmSchedule(64),)), (ChunkedLogProbFunction, ())):
         hidden, weight = hidden0.clone().requires_grad_(), weight0.clone().requires_grad_()
         lp, ent, *_ = fn.apply(hidden, weight, None, targets, 1.0, 32768, None, 1.0, ("entropy",), *extra)
         (lp * g_lp + ent * g_ent).sum().backward()
@@ -84,10 +84,10 @@ def test_the_dispatcher_is_scoped():
     args = (hidden, weight, None, targets, 1.0, 32768, None, 1.0, ("entropy",))
     outside = utils._ChunkedLogProbFunction.apply(*args)[0]
     assert_bitwise_equal(outside, ChunkedLogProbFunction.apply(*args)[0], label="outside the scope: TRL's")
-    with logprobs.sampler_logprobs(0):
+    with logprobs.sampler_logprobs():
         inside = utils._ChunkedLogProbFunction.apply(*args)[0]
         capped = utils._ChunkedLogProbFunction.apply(*args[:6], 30.0, 1.0, ("entropy",))[0]  # a soft-cap: TRL's
-    assert_bitwise_equal(inside, _sampler(hidden, weight, targets, 1.0, 0), label="inside the scope: the sampler's")
+    assert_bitwise_equal(inside, _sampler(hidden, weight, targets, 1.0, gemm.GemmSchedule()), label="inside the scope: the sampler's")
     assert_bitwise_equal(capped, ChunkedLogProbFunction.apply(*args[:6], 30.0, 1.0, ("entropy",))[0], label="soft-cap")
 
 

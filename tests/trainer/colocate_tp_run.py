@@ -42,7 +42,7 @@ with torch.no_grad():
     with_tp = hf_logprobs(model, sequences)
     remove_tp_linears(model)
     without_tp = hf_logprobs(model, sequences)
-    install_tp_linears(model, trainer._tp, trainer._gemm_rows)
+    install_tp_linears(model, trainer._tp, *trainer._gemm_schedule)
 v = trainer.roundalign_verification
 torch.save(
     {

@@ -42,6 +42,8 @@ def check(model_path, kv_split: str):
     before = os.environ.get(KV_SPLIT_ENV)
     os.environ[KV_SPLIT_ENV] = kv_split
     envs.disable_envs_cache()  # the engine about to start reads it (vLLM caches its environment per process)
+    from trl_roundalign.engine.gemm import GemmSchedule
+
     llm = build_llm(model_path, max_model_len=512)
     try:
         layout = engine_layout(llm)
@@ -49,7 +51,8 @@ def check(model_path, kv_split: str):
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16)
         cond = Condition("exact", ALL_REGIONS, exact_profile_for(profile_for_engine(layout)))
         apply_condition(model, cond, inductor_reduction_lanes(llm), layout.kv_block_size,
-                        engine_max_model_len=layout.max_model_len, gemm_block_rows=layout.gemm_block_rows or 0)
+                        engine_max_model_len=layout.max_model_len,
+                        gemm_schedule=GemmSchedule(layout.gemm_block_rows or 0, layout.gemm_min_rows or 0))
         result = Verification(cond.profile, cond.profile)
         try:
             verify_against_sampler(model, llm, verification_sequences(llm.get_tokenizer()), result)

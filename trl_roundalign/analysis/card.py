@@ -87,20 +87,20 @@ def _gemm_summary(report) -> dict:
 
 
 def gemm_section(models: dict[str, dict], mode: str = "quick") -> dict:
-    """Batch invariance of plain `F.linear` (and, where it fails, of the row blocks) at each model's shapes."""
+    """Batch invariance of plain `F.linear` (and, where it fails, of the schedule "auto" takes) at each model's shapes."""
     from ..engine import gemm
 
     rows = list(GEMM_QUICK_ROWS) if mode == "quick" else None
     out: dict = {"mode": mode, "max_rows": GEMM_MAX_ROWS}
     for name, shapes in models.items():
-        plain = gemm.measure_batch_invariance(shapes, GEMM_MAX_ROWS, rows=rows)
-        entry = {"shapes": {k: list(v) for k, v in shapes.items()}, "plain": _gemm_summary(plain)}
-        if plain.invariant:
-            entry["block_rows"] = 0
-        else:
-            blocked = gemm.measure_batch_invariance(shapes, GEMM_MAX_ROWS, rows=rows, block_rows=gemm.DEFAULT_BLOCK_ROWS)
-            entry["row_blocks"] = _gemm_summary(blocked)
-            entry["block_rows"] = gemm.DEFAULT_BLOCK_ROWS if blocked.invariant else None
+        schedule, reports = gemm.auto_schedule(lambda s, shapes=shapes: gemm.measure_batch_invariance(
+            shapes, GEMM_MAX_ROWS, rows=rows, block_rows=s.block_rows, min_rows=s.min_rows))
+        entry = {"shapes": {k: list(v) for k, v in shapes.items()}, "plain": _gemm_summary(reports[0])}
+        if len(reports) > 1:
+            entry["schedule_measured"] = _gemm_summary(reports[-1])
+        entry["schedule"] = schedule.describe() if schedule is not None else None
+        entry["block_rows"] = schedule.block_rows if schedule is not None else None
+        entry["min_rows"] = schedule.min_rows if schedule is not None else None
         out[name] = entry
     return out
 
@@ -418,13 +418,14 @@ def card_markdown(card: dict) -> str:
     if "gemm" in card:
         g = card["gemm"]
         lines += [f"## GEMM batch invariance ({g['mode']}, M up to {g['max_rows']})", "",
-                  "| shapes of | plain F.linear | row blocks exact mode uses |", "|---|---|---|"]
+                  "| shapes of | plain F.linear | GEMM schedule exact mode uses |", "|---|---|---|"]
         for name, entry in g.items():
             if not isinstance(entry, dict):
                 continue
             plain = "invariant" if entry["plain"]["invariant"] else "VARIANT: " + "; ".join(
                 f"{k} at M={r}" for k, r in entry["plain"]["variant"].items())
-            rows = entry["block_rows"]
-            lines.append(f"| {name} | {plain} | {rows if rows is not None else 'none makes it invariant'} |")
+            how = entry.get("schedule") or ("none makes it invariant" if entry.get("block_rows") is None
+                                            else f"row blocks of {entry['block_rows']}" if entry["block_rows"] else "plain F.linear")
+            lines.append(f"| {name} | {plain} | {how} |")
         lines.append("")
     return "\n".join(lines)

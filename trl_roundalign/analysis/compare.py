@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import metrics
+from ..engine.gemm import PLAIN, GemmSchedule
 from ..patching import revert_roundalign
 from ..profiles import PAPER_REGIONS, get_profile
 from ..scoring import Sample, hf_logprobs
@@ -45,7 +46,7 @@ def score_conditions(
     backend: str | None = None,
     progress: bool = False,
     engine_max_model_len: int | None = None,
-    gemm_block_rows: int = 0,
+    gemm_schedule: GemmSchedule = PLAIN,
     tensor_parallel: int = 1,
 ) -> dict[str, list[torch.Tensor]]:
     """Score every sample's tokens with the Hugging Face model under each condition.
@@ -65,7 +66,7 @@ def score_conditions(
 
         iterator = tqdm(conditions, desc="scoring conditions", unit="condition")
     for cond in iterator:
-        apply_condition(model, cond, reduction_lanes, attention_block_size, backend, engine_max_model_len, gemm_block_rows,
+        apply_condition(model, cond, reduction_lanes, attention_block_size, backend, engine_max_model_len, gemm_schedule,
                         tensor_parallel)
         out[cond.name] = hf_logprobs(model, seqs)
     revert_roundalign(model)
@@ -226,11 +227,12 @@ def compare_engine_run(
             raise ValueError(f"The engine's reduction lanes could not be read: {run.lanes_error}")
         lanes = run.lanes
     max_len = getattr(run.info, "max_model_len", None)
-    rows = getattr(run.info, "gemm_block_rows", None) or 0  # the engine's linears' row blocks (trl_roundalign.engine.gemm)
+    # The engine's linears' GEMM schedule (trl_roundalign.engine.gemm).
+    rows = GemmSchedule(getattr(run.info, "gemm_block_rows", None) or 0, getattr(run.info, "gemm_min_rows", None) or 0)
     tp = int(getattr(run.info, "tensor_parallel_size", 1) or 1)  # > 1: row-parallel sums as the engine's ranks (tp)
     train = score_conditions(
         model_path, samples, conditions, reduction_lanes=lanes, attention_block_size=run.block_size, progress=progress,
-        engine_max_model_len=max_len, gemm_block_rows=rows, tensor_parallel=tp,
+        engine_max_model_len=max_len, gemm_schedule=rows, tensor_parallel=tp,
     )
     stats = condition_stats(samples, train, prefill)
     floor_stats: dict[str, dict[str, float]] = {}
@@ -246,7 +248,7 @@ def compare_engine_run(
 
         layer_rows = per_layer_differences(
             model_path, [s.token_ids for s in samples], conditions, reduction_lanes=lanes,
-            attention_block_size=run.block_size, progress=progress, engine_max_model_len=max_len, gemm_block_rows=rows,
+            attention_block_size=run.block_size, progress=progress, engine_max_model_len=max_len, gemm_schedule=rows,
             tensor_parallel=tp,
         )
     return Comparison(str(model_path), list(conditions), samples, prefill, train, stats, floor_stats, lanes, layer_rows)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..engine.gemm import PLAIN, GemmSchedule
 from ..patching import apply_roundalign, revert_roundalign
 from ..profiles import ALL_REGIONS, PAPER_CONDITIONS, PAPER_REGIONS, get_profile
 
@@ -74,20 +75,21 @@ def apply_condition(
     attention_block_size: int | None,
     backend: str | None = None,
     engine_max_model_len: int | None = None,
-    gemm_block_rows: int = 0,
+    gemm_schedule: GemmSchedule = PLAIN,
     tensor_parallel: int = 1,
 ) -> None:
     """Revert whatever patches `model` has, then apply `cond`'s (lanes and block size where its profile uses them;
     the engine's max_model_len for LongRoPE models). An aligned condition's linears compute as the engine's do
-    (`gemm_block_rows`, `trl_roundalign.engine.gemm`; a `tensor_parallel` > 1 engine's row-parallel sums, `trl_roundalign.engine.tp`),
+    (`gemm_schedule`, `trl_roundalign.engine.gemm`; a `tensor_parallel` > 1 engine's row-parallel sums, `trl_roundalign.engine.tp`),
     as the trainer's do; the default condition keeps plain `F.linear`."""
     from ..engine.gemm import install_row_blocked_linears
     from ..engine.tp import install_tp_linears
 
     revert_roundalign(model)
-    install_row_blocked_linears(model, gemm_block_rows if cond.regions else 0)
+    schedule = GemmSchedule(*gemm_schedule) if cond.regions else GemmSchedule()
+    install_row_blocked_linears(model, schedule.block_rows, schedule.min_rows)
     tp = tensor_parallel if cond.tensor_parallel is None else cond.tensor_parallel
-    install_tp_linears(model, tp if cond.regions else 1, gemm_block_rows)
+    install_tp_linears(model, tp if cond.regions else 1, schedule.block_rows, schedule.min_rows)
     lanes = reduction_lanes if get_profile(cond.profile).reduction == "inductor-cpu" else None
     block = attention_block_size if get_profile(cond.profile).attention == "vllm-cpu" else None
     apply_roundalign(

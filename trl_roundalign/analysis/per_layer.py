@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from ..engine.gemm import PLAIN, GemmSchedule
+
 __all__ = ["POINTS", "LayerRecorder", "per_layer_differences", "plot_per_layer", "write_per_layer_csv"]
 
 POINTS = ("attention", "mlp", "stream")  # per decoder layer; the final norm is point "final_norm"
@@ -131,7 +133,7 @@ def per_layer_differences(
     backend: str | None = None,
     progress: bool = False,
     engine_max_model_len: int | None = None,
-    gemm_block_rows: int = 0,
+    gemm_schedule: GemmSchedule = PLAIN,
     tensor_parallel: int = 1,
 ) -> list[dict]:
     """Rows of `per_layer.csv`: each condition's values after every layer against the reference condition's.
@@ -167,13 +169,13 @@ def per_layer_differences(
             for seq in iterator:
                 ids = torch.tensor([list(seq)], dtype=torch.long)
                 for i, cond in enumerate(order):
-                    apply_condition(model, cond, reduction_lanes, attention_block_size, backend, engine_max_model_len, gemm_block_rows,
+                    apply_condition(model, cond, reduction_lanes, attention_block_size, backend, engine_max_model_len, gemm_schedule,
                                     tensor_parallel)
                     (recorder.store() if i == 0 else recorder.compare(cond.name))
                     model(input_ids=ids, use_cache=False)
                     recorder.stop()
                 # the reference against itself: the hooks' own check (must be all zero, all bit-identical)
-                apply_condition(model, order[0], reduction_lanes, attention_block_size, backend, engine_max_model_len, gemm_block_rows,
+                apply_condition(model, order[0], reduction_lanes, attention_block_size, backend, engine_max_model_len, gemm_schedule,
                                 tensor_parallel)
                 recorder.compare(reference)
                 model(input_ids=ids, use_cache=False)

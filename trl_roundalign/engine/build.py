@@ -103,17 +103,20 @@ def _default_cache_base() -> Path:
     return Path(os.environ.get("VLLM_CACHE_ROOT", Path.home() / ".cache" / "vllm"))
 
 
-def engine_cache_root(tag: str = "", base: str | os.PathLike | None = None, *, gemm_block_rows: int | None = None) -> Path:
+def engine_cache_root(tag: str = "", base: str | os.PathLike | None = None, *, gemm_schedule=None) -> Path:
     """A compile-cache folder for one engine patch state, under `base` or `VLLM_CACHE_ROOT`.
 
     vLLM's own cache key hashes its configuration and model code, not what this package decides outside them: the
     folder name holds those decisions, so an engine never loads a graph compiled under other ones. They are whether
     the CPU weight-sync fix is active (`wsfix`/`stock`), the build's `tag` (eager, compiled, piecewise, ...) and the
-    GEMM row-block size the dispatcher traces into the graph (`rows<N>`; a constant of the compiled code that no hashed
-    input holds: a graph traced with plain `F.linear` must not serve an engine built with 64-row blocks).
+    GEMM schedule the dispatcher traces into the graph (`gemm_schedule`, a `gemm.GemmSchedule`: `rows<N>` for row
+    blocks, `rows0min<N>` for a row floor; a constant of the compiled code that no hashed input holds: a graph traced
+    with plain `F.linear` must not serve an engine built with 64-row blocks).
     """
+    from .gemm import GemmSchedule
+
     fix = "wsfix" if (is_vllm_cpu() and vllm_cpu_weight_sync_fix_applied()) else "stock"
-    rows = f"rows{int(gemm_block_rows)}" if fix == "wsfix" and gemm_block_rows is not None else ""
+    rows = GemmSchedule(*gemm_schedule).tag() if fix == "wsfix" and gemm_schedule is not None else ""
     name = "-".join(p for p in ("roundalign", fix, rows, tag) if p)
     return (Path(base) if base else _default_cache_base()) / name
 
@@ -165,7 +168,7 @@ def build_llm(
     cache_tag: str = "",
     weight_sync_fix: bool = True,
     piecewise: bool = False,
-    gemm_block_rows: int | str | None = "auto",
+    gemm_block_rows="auto",
     **llm_kwargs,
 ):
     """Build an in-process `vllm.LLM` the way the project scores and trains with it.
@@ -181,9 +184,12 @@ def build_llm(
             ops). On vLLM-CPU this needs `_compat.vllm_cpu_piecewise` (applied here) and
             `compile_sizes=[]` (set here): vLLM-CPU otherwise compiles one whole graph.
         gemm_block_rows: how the engine's linears compute (`trl_roundalign.engine.gemm`): `"auto"` measures this
-            machine's GEMM for the model's shapes and uses the row-block schedule only where it is batch-variant
-            (Intel AMX), an int sets it (0: plain `F.linear`), None keeps this process's setting. Part of the
-            compile cache's folder name; read back from the loaded model into `engine_layout(llm).gemm_block_rows`.
+            machine's GEMM for the model's shapes and takes a schedule only where it is batch-variant (a row floor
+            where only the smallest row counts differ, AMD AVX-512; row blocks where more do, Intel AMX), an int
+            sets row blocks of that size (0: plain `F.linear`), a `gemm.GemmSchedule` sets that schedule, None keeps this
+            process's setting. Part of the
+            compile cache's folder name; read back from the loaded model into `engine_layout(llm)`'s
+            `gemm_block_rows` and `gemm_min_rows`.
         **llm_kwargs: passed to `vllm.LLM` (e.g. `compilation_config`, `gpu_memory_utilization`).
 
     Returns:
@@ -213,9 +219,9 @@ def build_llm(
         llm_kwargs["max_model_len"] = max_model_len
     rows = None
     if weight_sync_fix and is_vllm_cpu() and gemm_block_rows is not None:
-        rows = _decide_engine_block_rows(model, gemm_block_rows, llm_kwargs.get("max_num_batched_tokens"),
-                                         int(llm_kwargs.get("tensor_parallel_size", 1)))
-    root = engine_cache_root("-".join(t for t in (tag, cache_tag) if t), gemm_block_rows=rows)
+        rows = _decide_engine_schedule(model, gemm_block_rows, llm_kwargs.get("max_num_batched_tokens"),
+                                       int(llm_kwargs.get("tensor_parallel_size", 1)))
+    root = engine_cache_root("-".join(t for t in (tag, cache_tag) if t), gemm_schedule=rows)
     with scoped_cache_root(root), fresh_rope_cache(), engine_build_context(llm_kwargs.get("compilation_config")):
         llm = LLM(model=str(model), enforce_eager=enforce_eager, seed=seed, **llm_kwargs)
     from .layout import engine_layout
@@ -235,23 +241,25 @@ AUTO_MEASURE_ROWS = 1024
 GEMM_MEASURE_MAX_ROWS = 2048
 
 
-def _decide_engine_block_rows(model, requested: int | str, max_batched_tokens: int | None, tp: int) -> int:
-    """`gemm.decide_block_rows` for an engine `build_llm` is about to build (an explicit size is taken as it is), and
-    handed to it (`gemm.set_block_rows`)."""
+def _decide_engine_schedule(model, requested, max_batched_tokens: int | None, tp: int):
+    """`gemm.decide_schedule` for an engine `build_llm` is about to build (an explicit size is row blocks of it, taken
+    as it is), and handed to it (`gemm.set_schedule`)."""
     from . import gemm
 
     if requested == "auto":
         from transformers import AutoConfig
 
         reaches = {"the engine's prefill chunk": min(int(max_batched_tokens or AUTO_MEASURE_ROWS), AUTO_MEASURE_ROWS)}
-        rows, report = gemm.decide_block_rows(AutoConfig.from_pretrained(str(model)), "auto", reaches,
-                                              cap=AUTO_MEASURE_ROWS, tensor_parallel=tp, refuse=False)
-        if rows and report is not None:
-            logger.info("GEMM here: %s; the engine computes in row blocks of %d", report.summary(), rows)
+        schedule, report = gemm.decide_schedule(AutoConfig.from_pretrained(str(model)), "auto", reaches,
+                                                cap=AUTO_MEASURE_ROWS, tensor_parallel=tp, refuse=False)
+        if not schedule.plain and report is not None:
+            logger.info("GEMM here: %s; the engine computes with %s", report.summary(), schedule.describe())
+    elif isinstance(requested, tuple):
+        schedule = gemm.GemmSchedule(*requested)
     else:
-        rows = int(requested)
-    gemm.set_block_rows(rows)
-    return rows
+        schedule = gemm.GemmSchedule(int(requested))
+    gemm.set_schedule(schedule)
+    return schedule
 
 
 def piecewise_compilation_config(config: dict | None = None) -> dict:

@@ -66,16 +66,18 @@ def is_vllm_cpu() -> bool:
 
 
 def _live_weight_dispatch(layer: torch.nn.Module, remove_weight: bool) -> None:
-    """Replacement for vLLM-CPU's GEMM dispatcher: keep the weight, compute `F.linear` on it, or the row-block
-    schedule of `trl_roundalign.engine.gemm` when this process sets one (`ROUNDALIGN_GEMM_BLOCK_ROWS`)."""
-    from .gemm import block_rows, row_blocked_linear
+    """Replacement for vLLM-CPU's GEMM dispatcher: keep the weight, compute `F.linear` on it, under the GEMM schedule
+    of `trl_roundalign.engine.gemm` this process hands its engine (`gemm.engine_schedule`: row blocks or a row floor)."""
+    from .gemm import engine_schedule, linear
 
-    rows = block_rows()
-    if rows > 0:
-        layer.cpu_linear = lambda x, weight, bias, _rows=rows: row_blocked_linear(x, weight, bias, _rows)
-    else:
+    schedule = engine_schedule()
+    if schedule.plain:
         layer.cpu_linear = lambda x, weight, bias: torch.nn.functional.linear(x, weight, bias)
-    layer._roundalign_block_rows = rows  # read back by `layout.worker_facts`: what the loaded engine computes with
+    else:
+        layer.cpu_linear = lambda x, weight, bias, _s=schedule: linear(x, weight, bias, _s.block_rows, _s.min_rows)
+    # Read back by `layout.worker_facts`: what the loaded engine computes with.
+    layer._roundalign_block_rows = schedule.block_rows
+    layer._roundalign_min_rows = schedule.min_rows
 
 
 _live_weight_dispatch.__dict__[_FIX_ATTR] = True

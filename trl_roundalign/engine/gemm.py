@@ -15,7 +15,15 @@ Whether it holds is a property of the machine's GEMM, not of the model, so it is
   1.4e-4 of outputs; docs/results/amx/batch_invariance.md, scripts/batch_invariance.py).
   docs/numerics.md ("Batch-invariant linear layers") has the evidence.
 
-The remedy kept here: a **fixed row-block schedule** (`row_blocked_linear`). Every call, on both sides, computes
+Two schedules, each chosen only where the measurement needs it (`choose_schedule`):
+
+- a **row floor** (`row_floor_linear`, `GemmSchedule.min_rows`): a call of fewer than `min_rows` rows is zero-padded
+  to `min_rows` rows, any other call is one plain GEMM. Enough where only the smallest row counts differ (AMD AVX-512:
+  only M = 1, so a floor of 2), and it costs a decode step one extra row instead of a block of 64;
+- a **fixed row-block schedule** (`row_blocked_linear`, `GemmSchedule.block_rows`), where larger row counts differ
+  (Intel AMX).
+
+The row-block schedule: Every call, on both sides, computes
 its rows in blocks of exactly `block_rows` rows (the last block zero-padded), so every row is computed by a
 GEMM of the same shape whatever the call's length, and its bits do not depend on its neighbours. The engine
 gets it through the package's vLLM-CPU GEMM dispatcher (`_compat`), the trainer through its `nn.Linear`
@@ -23,8 +31,8 @@ modules (`install_row_blocked_linears`) and the merged LoRA forward. It keeps on
 oneDNN's ISA (`ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`) also gives invariance but ran the same GEMMs 5-13x slower at
 512-2048 rows (bench/bench_gemm.py, docs/cost.md).
 
-The schedule is a process setting, `ROUNDALIGN_GEMM_BLOCK_ROWS` (0 or unset: plain `F.linear`), so that engine
-processes started from this one inherit it. Backward passes use ordinary matrix products (the gradient is not
+The decided schedule reaches the engine's processes through `ROUNDALIGN_GEMM_BLOCK_ROWS` and `ROUNDALIGN_GEMM_MIN_ROWS`
+(0 or unset: none), the transport vLLM's spawned workers inherit, read by the package's GEMM dispatcher alone. Backward passes use ordinary matrix products (the gradient is not
 part of the bitwise claim).
 """
 
@@ -35,6 +43,7 @@ import logging
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -43,12 +52,19 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "DEFAULT_BLOCK_ROWS",
+    "ENV_MIN_ROWS",
+    "GemmSchedule",
+    "PLAIN",
+    "MAX_FLOOR_ROWS",
+    "auto_schedule",
+    "choose_schedule",
+    "decide_schedule",
+    "engine_schedule",
+    "row_floor_linear",
+    "set_schedule",
     "SMOLLM2_SHAPES",
     "ENV_BLOCK_ROWS",
     "BatchInvarianceReport",
-    "block_rows",
-    "choose_block_rows",
-    "decide_block_rows",
     "cpu_kind",
     "install_row_blocked_linears",
     "linear",
@@ -57,10 +73,10 @@ __all__ = [
     "remove_row_blocked_linears",
     "row_blocked_linear",
     "row_counts",
-    "set_block_rows",
 ]
 
 ENV_BLOCK_ROWS = "ROUNDALIGN_GEMM_BLOCK_ROWS"
+ENV_MIN_ROWS = "ROUNDALIGN_GEMM_MIN_ROWS"
 # Chosen by bench/bench_gemm.py on the AMX machine (docs/cost.md): 64 rows cost 1.3-2.2x plain F.linear at decode
 # sizes and 2.1-3.4x at 512-2048 rows (128 rows: 1.8-2.5x and 1.5-2.4x); end to end the engine 1.30x, the trainer's
 # forward + backward 1.15x. GRPO decodes, so the decode sizes decide. Paid only where the GEMM is variant.
@@ -68,31 +84,66 @@ DEFAULT_BLOCK_ROWS = 64
 # Rows the measurement also computes one at a time (`measure_batch_invariance`): on the AMD AVX-512 kind a 1-row bf16
 # GEMM at K = 1536 flipped an output on about 1 row in 9 (SmolLM2's down_proj), which row 0 alone did not show.
 SINGLE_ROWS = 128
+# The largest row floor "auto" tries: a machine whose GEMM differs only below this many rows gets a floor one above
+# its largest variant row count; one that differs at more rows (Intel AMX: 34-682) gets row blocks.
+MAX_FLOOR_ROWS = 8
 
 
-def block_rows() -> int:
-    """The row-block size `set_block_rows` handed to the engine being built in this process (0: plain `F.linear`).
-    Read by the engine's GEMM dispatcher only (`dispatch._live_weight_dispatch`); everything else takes the size from
-    the engine's layout."""
-    raw = os.environ.get(ENV_BLOCK_ROWS, "").strip()
+class GemmSchedule(NamedTuple):
+    """How both sides' linears compute their rows (`linear`): `block_rows` > 0, in blocks of exactly that many rows;
+    else `min_rows` > 1, a call of fewer rows zero-padded to `min_rows`; else plain `F.linear`."""
+
+    block_rows: int = 0
+    min_rows: int = 0
+
+    @property
+    def plain(self) -> bool:
+        return self.block_rows <= 0 and self.min_rows <= 1
+
+    def describe(self) -> str:
+        if self.block_rows > 0:
+            return f"row blocks of {self.block_rows}"
+        if self.min_rows > 1:
+            return f"a row floor of {self.min_rows} (calls of fewer rows zero-padded)"
+        return "plain F.linear"
+
+    def tag(self) -> str:
+        """Its part of the compile cache's folder name."""
+        return f"rows{self.block_rows}" + (f"min{self.min_rows}" if self.block_rows <= 0 and self.min_rows > 1 else "")
+
+
+PLAIN = GemmSchedule()  # plain F.linear
+
+
+def _env_rows(name: str) -> int:
+    raw = os.environ.get(name, "").strip()
     if not raw:
         return 0
     try:
         value = int(raw)
     except ValueError:
-        raise ValueError(f"{ENV_BLOCK_ROWS}={raw!r}: give a whole number of rows (0 turns row blocks off).") from None
+        raise ValueError(f"{name}={raw!r}: give a whole number of rows (0 turns it off).") from None
     if value < 0:
-        raise ValueError(f"{ENV_BLOCK_ROWS}={raw!r}: give a whole number of rows >= 0 (0 turns row blocks off).")
+        raise ValueError(f"{name}={raw!r}: give a whole number of rows >= 0 (0 turns it off).")
     return value
 
 
-def set_block_rows(rows: int) -> None:
-    """Hand the decided row-block size (`decide_block_rows`) to the engine about to be built: the environment is only
-    the transport into vLLM's processes (it spawns TP workers), read by its GEMM dispatcher (`dispatch`) and nowhere
+def engine_schedule() -> GemmSchedule:
+    """The schedule `set_schedule` handed to the engine being built in this process (plain `F.linear` when none).
+    Read by the engine's GEMM dispatcher only (`dispatch._live_weight_dispatch`); everything else takes the schedule
+    from the engine's layout."""
+    return GemmSchedule(_env_rows(ENV_BLOCK_ROWS), _env_rows(ENV_MIN_ROWS))
+
+
+def set_schedule(schedule: GemmSchedule) -> None:
+    """Hand the decided schedule (`decide_schedule`) to the engine about to be built: the environment is only the
+    transport into vLLM's processes (it spawns TP workers), read by its GEMM dispatcher (`dispatch`) and nowhere
     else; what the engine then computes with is read back from its loaded model (`layout.worker_facts`)."""
-    if int(rows) < 0:
-        raise ValueError(f"block rows must be >= 0, got {rows}")
-    os.environ[ENV_BLOCK_ROWS] = str(int(rows))
+    schedule = GemmSchedule(*schedule)
+    if schedule.block_rows < 0 or schedule.min_rows < 0:
+        raise ValueError(f"row counts must be >= 0, got {schedule}")
+    os.environ[ENV_BLOCK_ROWS] = str(int(schedule.block_rows))
+    os.environ[ENV_MIN_ROWS] = str(int(schedule.min_rows))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -171,11 +222,41 @@ def _backward(ctx, grad):
 row_blocked_linear.register_autograd(_backward, setup_context=_setup_context)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, rows: int = 0) -> torch.Tensor:
-    """`F.linear`, or the row-blocked schedule when `rows` (the engine layout's `gemm_block_rows`) is positive."""
-    if not rows or rows <= 0:
-        return F.linear(x, weight, bias)
-    return row_blocked_linear(x, weight, bias, rows)
+@torch.library.custom_op("roundalign::row_floor_linear", mutates_args=())
+def row_floor_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, min_rows: int) -> torch.Tensor:
+    """`x @ weight.T + bias` with a call of fewer than `min_rows` rows zero-padded to `min_rows` rows (any other call is
+    one plain GEMM): where only the smallest row counts take another kernel, a row's bits then do not depend on how
+    many rows share the call, at the price of the padding rows only. Opaque to torch.compile, like the row blocks."""
+    if min_rows <= 0:
+        raise ValueError(f"row_floor_linear needs min_rows > 0, got {min_rows}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    m = x2.shape[0]
+    if m >= min_rows:
+        return F.linear(x2, weight, bias).reshape(*lead, weight.shape[0])
+    padded = x2.new_zeros(min_rows, x2.shape[1])
+    padded[:m] = x2
+    return F.linear(padded, weight, bias)[:m].reshape(*lead, weight.shape[0])
+
+
+@row_floor_linear.register_fake
+def _(x, weight, bias, min_rows):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+row_floor_linear.register_autograd(_backward, setup_context=_setup_context)
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, rows: int = 0, min_rows: int = 0
+) -> torch.Tensor:
+    """`F.linear` under the engine layout's GEMM schedule (`GemmSchedule`): row blocks of `rows` (its
+    `gemm_block_rows`) when positive, else a row floor of `min_rows` (its `gemm_min_rows`) when above 1."""
+    if rows and rows > 0:
+        return row_blocked_linear(x, weight, bias, rows)
+    if min_rows and min_rows > 1:
+        return row_floor_linear(x, weight, bias, min_rows)
+    return F.linear(x, weight, bias)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -183,27 +264,32 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 # ------------------------------------------------------------------------------------------------
 
 _MARK = "_roundalign_row_blocks"
+_MIN_MARK = "_roundalign_min_rows"
 
 
-def install_row_blocked_linears(model: torch.nn.Module, rows: int) -> int:
-    """Make every `nn.Linear` of `model` compute with the row-block schedule of `rows` rows.
+def install_row_blocked_linears(model: torch.nn.Module, rows: int, min_rows: int = 0) -> int:
+    """Make every `nn.Linear` of `model` compute under the GEMM schedule of `rows` (row blocks) or `min_rows` (a row
+    floor; `GemmSchedule`).
 
-    Installs an instance `forward` (no parameter is added or renamed, module hooks still fire) and records
-    `rows` on the module. Returns the number of layers. `rows=0` removes the schedule.
+    Installs an instance `forward` (no parameter is added or renamed, module hooks still fire) and records the
+    schedule on the module. Returns the number of layers. `rows=0, min_rows=0` removes the schedule.
     """
-    if rows <= 0:
-        return remove_row_blocked_linears(model)
+    schedule = GemmSchedule(int(rows or 0), int(min_rows or 0))
+    remove_row_blocked_linears(model)
+    if schedule.plain:
+        return 0
     n = 0
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
-            module.__dict__[_MARK] = rows
+            module.__dict__[_MARK] = schedule.block_rows
+            module.__dict__[_MIN_MARK] = schedule.min_rows
             module.forward = functools.partial(_blocked_forward, module)
             n += 1
     return n
 
 
 def _blocked_forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return row_blocked_linear(x, module.weight, module.bias, module.__dict__[_MARK])
+    return linear(x, module.weight, module.bias, module.__dict__[_MARK], module.__dict__[_MIN_MARK])
 
 
 def remove_row_blocked_linears(model: torch.nn.Module) -> int:
@@ -212,17 +298,28 @@ def remove_row_blocked_linears(model: torch.nn.Module) -> int:
     for module in model.modules():
         if _MARK in module.__dict__:
             del module.__dict__[_MARK]
+            module.__dict__.pop(_MIN_MARK, None)
             module.__dict__.pop("forward", None)
             n += 1
     return n
 
 
+def module_schedule(module: torch.nn.Module) -> GemmSchedule:
+    """The GEMM schedule `install_row_blocked_linears` gave `module` (plain where none)."""
+    return GemmSchedule(module.__dict__.get(_MARK, 0), module.__dict__.get(_MIN_MARK, 0))
+
+
+def model_schedule(model: torch.nn.Module) -> GemmSchedule:
+    """The GEMM schedule `model`'s linears compute with. Raises if they disagree."""
+    found = {module_schedule(m) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    if len(found) > 1:
+        raise RuntimeError(f"the model's linears use different GEMM schedules: {sorted(found)}")
+    return found.pop() if found else GemmSchedule()
+
+
 def model_block_rows(model: torch.nn.Module) -> int:
-    """The row-block size `model`'s linears compute with (0: plain F.linear). Raises if they disagree."""
-    sizes = {m.__dict__.get(_MARK, 0) for m in model.modules() if isinstance(m, torch.nn.Linear)}
-    if len(sizes) > 1:
-        raise RuntimeError(f"the model's linears use different row-block sizes: {sorted(sizes)}")
-    return sizes.pop() if sizes else 0
+    """The row-block size `model`'s linears compute with (0: none). Raises if they disagree."""
+    return model_schedule(model).block_rows
 
 
 # ------------------------------------------------------------------------------------------------
@@ -315,6 +412,11 @@ class BatchInvarianceReport:
     cpu: str = ""
     # What the run reaches that the measurement did not cover (row counts above its cap), one phrase each.
     not_covered: list[str] = field(default_factory=list)
+    min_rows: int = 0
+
+    @property
+    def schedule(self) -> GemmSchedule:
+        return GemmSchedule(self.block_rows, self.min_rows)
 
     @property
     def invariant(self) -> bool:
@@ -325,7 +427,7 @@ class BatchInvarianceReport:
         return [s for s in self.shapes if not s.invariant]
 
     def summary(self) -> str:
-        how = f"row blocks of {self.block_rows}" if self.block_rows else "plain F.linear"
+        how = self.schedule.describe()
         if self.invariant:
             return f"batch-invariant ({how}; {len(self.shapes)} shapes, M = 1..{self.max_rows})"
         first = self.variant[0]
@@ -334,6 +436,7 @@ class BatchInvarianceReport:
     def as_dict(self) -> dict:
         return {
             "block_rows": self.block_rows,
+            "min_rows": self.min_rows,
             "max_rows": self.max_rows,
             "invariant": self.invariant,
             "cpu": self.cpu,
@@ -383,6 +486,7 @@ def measure_batch_invariance(
     max_rows: int,
     *,
     block_rows: int = 0,
+    min_rows: int = 0,
     dtype: torch.dtype = torch.bfloat16,
     seed: int = 0,
     rows: Sequence[int] | None = None,
@@ -395,7 +499,8 @@ def measure_batch_invariance(
     differ on some rows only: the first row alone is no sample of them); a shape is variant if any call gives any
     other bit.
     Fused shapes (K, N1, N2, ...) are also checked against their parts computed separately, as the trainer
-    computes them. `block_rows > 0` measures the row-block schedule instead of plain `F.linear`.
+    computes them. `block_rows > 0` measures the row-block schedule instead of plain `F.linear`, `min_rows > 1` the row
+    floor (`GemmSchedule`).
     """
     if not isinstance(shapes, dict):
         shapes = {f"{s[0]}x{'+'.join(map(str, s[1:]))}": tuple(s) for s in shapes}
@@ -408,61 +513,87 @@ def measure_batch_invariance(
         x = torch.randn(max_rows, k, generator=gen).to(dtype)
         w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
         with torch.no_grad():
-            ref = linear(x, w, rows=block_rows)
+            ref = linear(x, w, rows=block_rows, min_rows=min_rows)
             res = ShapeResult(name, k, ns, len(counts))
             for m in counts:
-                out = linear(x[:m], w, rows=block_rows)
+                out = linear(x[:m], w, rows=block_rows, min_rows=min_rows)
                 if not torch.equal(out, ref[:m]):
                     res.variant_rows.append(m)
                     res.worst_fraction = max(res.worst_fraction, (out != ref[:m]).float().mean().item())
             if 1 in counts and 1 not in res.variant_rows:
                 for i in range(1, min(SINGLE_ROWS, max_rows)):
-                    out = linear(x[i : i + 1], w, rows=block_rows)
+                    out = linear(x[i : i + 1], w, rows=block_rows, min_rows=min_rows)
                     if not torch.equal(out, ref[i : i + 1]):
                         res.variant_rows.insert(0, 1)
                         res.worst_fraction = max(res.worst_fraction, (out != ref[i : i + 1]).float().mean().item())
                         break
             if len(ns) > 1:
-                parts = torch.cat([linear(x, wp, rows=block_rows) for wp in w.split(list(ns))], dim=1)
+                parts = torch.cat([linear(x, wp, rows=block_rows, min_rows=min_rows) for wp in w.split(list(ns))], dim=1)
                 res.fused_differs = not torch.equal(parts, ref)
         results.append(res)
-    return BatchInvarianceReport(block_rows, max_rows, results, _cpu_flags())
+    return BatchInvarianceReport(block_rows, max_rows, results, _cpu_flags(), min_rows=min_rows)
 
 
 @functools.lru_cache(maxsize=32)
-def _cached_measure(shapes: tuple, max_rows: int, block: int) -> BatchInvarianceReport:
-    return measure_batch_invariance(dict(shapes), max_rows, block_rows=block)
+def _cached_measure(shapes: tuple, max_rows: int, schedule: GemmSchedule) -> BatchInvarianceReport:
+    return measure_batch_invariance(dict(shapes), max_rows, block_rows=schedule.block_rows, min_rows=schedule.min_rows)
 
 
-def choose_block_rows(
+def _floor_for(report: BatchInvarianceReport) -> int:
+    """The row floor that would cover `report`'s variant row counts (0 where none would: a fused projection that
+    differs from its parts, or a variant row count at or above `MAX_FLOOR_ROWS`)."""
+    variant = [m for s in report.variant for m in s.variant_rows]
+    if any(s.fused_differs for s in report.variant) or not variant or max(variant) >= MAX_FLOOR_ROWS:
+        return 0
+    return max(variant) + 1
+
+
+def auto_schedule(measure) -> tuple[GemmSchedule | None, list[BatchInvarianceReport]]:
+    """What "auto" takes, given `measure(schedule) -> BatchInvarianceReport` at the shapes and row counts of interest:
+    plain `F.linear` where it measures batch-invariant; else a row floor one above the largest variant row count,
+    where only counts below `MAX_FLOOR_ROWS` differ and the floor measures invariant; else row blocks of
+    `DEFAULT_BLOCK_ROWS` where they measure invariant; else None (no schedule makes it invariant). Returns the
+    schedule and every measurement made, in order (the last one decided)."""
+    reports = [measure(GemmSchedule())]
+    if reports[0].invariant:
+        return GemmSchedule(), reports
+    floor = _floor_for(reports[0])
+    candidates = ([GemmSchedule(0, floor)] if floor else []) + [GemmSchedule(DEFAULT_BLOCK_ROWS)]
+    for schedule in candidates:
+        reports.append(measure(schedule))
+        if reports[-1].invariant:
+            return schedule, reports
+    return None, reports
+
+
+def choose_schedule(
     config, max_rows: int, requested: int | str = "auto", *, tensor_parallel: int = 1
-) -> tuple[int, BatchInvarianceReport]:
-    """The row-block size exact mode needs on this machine, and the measurement that decided it.
+) -> tuple[GemmSchedule, BatchInvarianceReport]:
+    """The GEMM schedule exact mode needs on this machine, and the measurement that decided it.
 
-    `requested="auto"`: 0 where plain `F.linear` is batch-invariant for the model's shapes (and, at
-    `tensor_parallel` > 1, their shards) up to `max_rows` rows, else `DEFAULT_BLOCK_ROWS`. An explicit size is
-    measured as it is. Raises `ValueError` with one line when the chosen schedule is not batch-invariant here (exact
-    mode is then impossible).
+    `requested="auto"`: `auto_schedule` for the model's shapes (and, at `tensor_parallel` > 1, their shards) up to
+    `max_rows` rows. An explicit size is row blocks of that size (0: plain `F.linear`), measured as it is. Raises
+    `ValueError` with one line when the chosen schedule is not batch-invariant here (exact mode is then impossible).
     """
     shapes = tuple(sorted(linear_shapes(config, tensor_parallel).items()))
     if requested == "auto":
-        plain = _cached_measure(shapes, max_rows, 0)
-        if plain.invariant:
-            return 0, plain
-        rows = DEFAULT_BLOCK_ROWS
+        schedule, reports = auto_schedule(lambda s: _cached_measure(shapes, max_rows, s))
+        report = reports[-1]
     else:
-        rows = int(requested)
-    report = _cached_measure(shapes, max_rows, rows)
-    if not report.invariant:
+        schedule = GemmSchedule(int(requested))
+        report = _cached_measure(shapes, max_rows, schedule)
+        if not report.invariant:
+            schedule = None
+    if schedule is None:
         hint = (
-            f"set roundalign_gemm_block_rows={DEFAULT_BLOCK_ROWS} (or 'auto')" if rows == 0
+            f"set roundalign_gemm_block_rows={DEFAULT_BLOCK_ROWS} (or 'auto')" if report.schedule.plain
             else "no row-block schedule makes it invariant here; use the profile without '-exact' and regions without 'attention'"
         )
         raise ValueError(f"Exact mode needs batch-invariant linear layers, and this machine's GEMM is {report.summary()}; {hint}.")
-    return rows, report
+    return schedule, report
 
 
-def decide_block_rows(
+def decide_schedule(
     config,
     requested: int | str,
     reaches: dict[str, int],
@@ -470,27 +601,27 @@ def decide_block_rows(
     cap: int,
     tensor_parallel: int = 1,
     refuse: bool = True,
-) -> tuple[int, BatchInvarianceReport | None]:
-    """THE decision of the row-block size both sides' linears compute with (the trainer, `build_llm` and the server
+) -> tuple[GemmSchedule, BatchInvarianceReport | None]:
+    """THE decision of the GEMM schedule both sides' linears compute with (the trainer, `build_llm` and the server
     all call it): measured on this machine for the model's shapes, their TP shards, and every row count the run
     reaches (`reaches`: what reaches how many rows, e.g. the training micro-batch, the engine's prefill chunk), up to
     `cap` rows. Row counts above the cap are named in the report's `not_covered` (and logged), never passed over.
 
     Where no schedule is batch-invariant: `refuse=True` raises the one-line `ValueError` (exact mode), else it warns
-    and returns plain `F.linear` for "auto" (or the size asked for) with no report.
+    and returns plain `F.linear` for "auto" (or the row blocks asked for) with no report.
     """
     want = max([1, *reaches.values()])
     max_rows = min(cap, want)
     try:
-        rows, report = choose_block_rows(config, max_rows, requested, tensor_parallel=tensor_parallel)
+        schedule, report = choose_schedule(config, max_rows, requested, tensor_parallel=tensor_parallel)
     except ValueError as e:
         if refuse:
             raise
         logger.warning("%s The linears compute with %s; exact mode will not reproduce the engine.", e,
                        "plain F.linear" if requested == "auto" else f"row blocks of {int(requested)}")
-        return (0 if requested == "auto" else int(requested)), None
+        return (GemmSchedule() if requested == "auto" else GemmSchedule(int(requested))), None
     uncovered = [f"{what} reaches {n} rows (measured up to {max_rows})" for what, n in sorted(reaches.items()) if n > max_rows]
     if uncovered:
-        report = BatchInvarianceReport(report.block_rows, report.max_rows, report.shapes, report.cpu, uncovered)
+        report = BatchInvarianceReport(report.block_rows, report.max_rows, report.shapes, report.cpu, uncovered, report.min_rows)
         logger.warning("GEMM batch invariance not measured for: %s", "; ".join(uncovered))
-    return rows, report
+    return schedule, report

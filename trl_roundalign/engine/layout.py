@@ -42,6 +42,9 @@ class EngineLayout:
     # The row-block size its linears compute with (`trl_roundalign.engine.gemm`; 0: plain F.linear; None: vLLM's own
     # kernels, or not known). Read from the loaded model's linears, in the engine's own processes.
     gemm_block_rows: int | None = None
+    # The row floor its linears compute with where they have no row blocks (`gemm.GemmSchedule.min_rows`: a call of
+    # fewer rows is zero-padded to this many; 0: none; None: vLLM's own kernels, or not known). Read like the blocks.
+    gemm_min_rows: int | None = None
     # vLLM's model code: "auto"/"vllm" (its own modules, or its Transformers backend for a family it has no module
     # for), "transformers" (the Transformers backend asked for explicitly).
     model_impl: str = "auto"
@@ -119,13 +122,14 @@ def worker_facts(worker=None) -> dict:
     transport, the vector ISA and vLLM-CPU kernel library its process uses."""
     import os
 
-    rows = None
+    rows = min_rows = None
     model = getattr(getattr(worker, "model_runner", None), "model", None)
     if model is not None:
-        sizes = {m._roundalign_block_rows for m in model.modules() if hasattr(m, "_roundalign_block_rows")}
+        sizes = {(m._roundalign_block_rows, getattr(m, "_roundalign_min_rows", 0))
+                 for m in model.modules() if hasattr(m, "_roundalign_block_rows")}
         if len(sizes) > 1:
-            raise RuntimeError(f"the engine's linears were dispatched with different row-block sizes: {sorted(sizes)}")
-        rows = sizes.pop() if sizes else None
+            raise RuntimeError(f"the engine's linears were dispatched with different GEMM schedules: {sorted(sizes)}")
+        rows, min_rows = sizes.pop() if sizes else (None, None)
     import torch
 
     from .tp import colocated_all_reduce
@@ -140,6 +144,7 @@ def worker_facts(worker=None) -> dict:
         "attention_kv_split": kv_split,
         "attention_threads": torch.get_num_threads() if is_vllm_cpu() else None,
         "gemm_block_rows": rows,
+        "gemm_min_rows": min_rows,
         "inductor_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
         "all_reduce": colocated_all_reduce(),
         "cpu_isa": isa[0] if isa else None,
@@ -165,7 +170,7 @@ def server_info_of(llm_or_config) -> dict:
     if is_llm:
         facts.update(llm_or_config.collective_rpc(worker_facts)[0])
     else:  # a configuration without an engine: this process's facts
-        facts.update({k: v for k, v in worker_facts().items() if k not in ("gemm_block_rows", "inductor_dir")})
+        facts.update({k: v for k, v in worker_facts().items() if k not in ("gemm_block_rows", "gemm_min_rows", "inductor_dir")})
     config["additional_config"] = {**(config.get("additional_config") or {}), FACTS_KEY: facts}
     return {"vllm_config": config, "system_env": {"vllm_version": vllm.__version__, "torch_version": torch.__version__}}
 
@@ -255,6 +260,7 @@ def layout_or_why(server_info: dict) -> tuple[EngineLayout | None, str]:
         cpu_isa=facts.get("cpu_isa"),
         max_model_len=_int_or_none(model.get("max_model_len")),
         gemm_block_rows=_int_or_none(rows),
+        gemm_min_rows=_int_or_none(facts.get("gemm_min_rows", 0 if rows is not None else None)),
         model_impl=str(model.get("model_impl") or "auto"),
         tensor_parallel_size=_int_or_none((cfg.get("parallel_config") or {}).get("tensor_parallel_size")) or 1,
         dtype=_dtype_name(model.get("dtype")),
@@ -296,10 +302,10 @@ def apply_to_policy(model, layout: EngineLayout | None, *, tensor_parallel: int 
 
     if layout is None:
         return
-    rows = int(layout.gemm_block_rows or 0)
-    install_row_blocked_linears(model, rows)  # 0 removes a schedule an earlier layout installed
+    rows, min_rows = int(layout.gemm_block_rows or 0), int(layout.gemm_min_rows or 0)
+    install_row_blocked_linears(model, rows, min_rows)  # none removes a schedule an earlier layout installed
     if tensor_parallel > 1 or any(getattr(m, "__dict__", {}).get("_roundalign_tp") for m in model.modules()):
-        install_tp_linears(model, tensor_parallel, rows)
+        install_tp_linears(model, tensor_parallel, rows, min_rows)
 
 
 def policy_facts(model) -> dict:
@@ -307,15 +313,18 @@ def policy_facts(model) -> dict:
     with (0: plain `F.linear`; "mixed" where they differ) and the TP size its row-parallel linears sum as (1: none)."""
     import torch
 
-    from .gemm import _MARK as ROWS
+    from .gemm import module_schedule
     from .tp import _MARK as TP
 
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    rows = {m.__dict__.get(ROWS, 0) for m in linears} or {0}
+    schedules = {module_schedule(m) for m in linears}
+    rows = {s.block_rows for s in schedules} or {0}
+    min_rows = {s.min_rows for s in schedules} or {0}
     tps = {m.__dict__[TP][0] for m in linears if TP in m.__dict__} or {1}
     return {
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "gemm_block_rows": rows.pop() if len(rows) == 1 else "mixed",
+        "gemm_min_rows": min_rows.pop() if len(min_rows) == 1 else "mixed",
         "tensor_parallel_size": tps.pop() if len(tps) == 1 else "mixed",
         # The engine's attention kernel in the policy (region "attention"): it recomputes each sampled token in
         # decode form with the keys on one thread, which reproduces a sampler that never splits them.
@@ -333,6 +342,7 @@ _REPRODUCED = {
     "dtype": "load the policy in the engine's dtype (model_init_kwargs={{'dtype': '{engine}'}}) or run the engine in "
              "the policy's (vllm_engine_kwargs={{'dtype': '{policy}'}}, or the server's --dtype {policy})",
     "gemm_block_rows": "build the trainer in a fresh process (something else changed the policy's linears)",
+    "gemm_min_rows": "build the trainer in a fresh process (something else changed the policy's linears)",
     "tensor_parallel_size": "build the trainer in a fresh process (something else changed the policy's linears)",
     "attention_kv_split": "its sampler's log-probs then depend on which sequences share a decode step. Start the "
                           "engine with VLLM_CPU_ATTN_SPLIT_KV=0 in its environment (the trainer sets it for a colocated "
@@ -347,6 +357,7 @@ def layout_differences(layout: EngineLayout, facts: dict, *, tensor_parallel: bo
     engine = {
         "dtype": layout.dtype,
         "gemm_block_rows": int(layout.gemm_block_rows or 0),
+        "gemm_min_rows": int(layout.gemm_min_rows or 0),
         "tensor_parallel_size": int(layout.tensor_parallel_size or 1) if tensor_parallel else 1,
         "attention_kv_split": layout.attention_kv_split,
     }

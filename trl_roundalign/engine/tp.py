@@ -58,7 +58,7 @@ _MARK = "_roundalign_tp"
 
 class _RowParallel(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, tp, rows):
+    def forward(ctx, x, weight, bias, tp, rows, min_rows):
         from .gemm import linear
 
         k = weight.shape[1] // tp
@@ -67,7 +67,8 @@ class _RowParallel(torch.autograd.Function):
         acc_dtype = torch.promote_types(weight.dtype, torch.float32)
         acc = None
         for r in range(tp):
-            part = linear(x[..., r * k : (r + 1) * k].contiguous(), weight[:, r * k : (r + 1) * k], bias if r == 0 else None, rows)
+            part = linear(x[..., r * k : (r + 1) * k].contiguous(), weight[:, r * k : (r + 1) * k], bias if r == 0 else None, rows,
+                          min_rows)
             acc = part.to(acc_dtype) if acc is None else acc + part.to(acc_dtype)
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
@@ -75,7 +76,7 @@ class _RowParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return (*linear_grads(ctx, grad), None, None)
+        return (*linear_grads(ctx, grad), None, None, None)
 
 
 def linear_grads(ctx, grad):
@@ -90,31 +91,31 @@ def linear_grads(ctx, grad):
 
 
 def row_parallel_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tp: int, rows: int = 0
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tp: int, rows: int = 0, min_rows: int = 0
 ) -> torch.Tensor:
     """`x @ weight.T + bias` as a TP=`tp` engine's row-parallel layer computes it: `tp` bf16 partial products over
-    contiguous K slices (bias in the first), summed in fp32 and rounded once. `rows`: the GEMM's row blocks
-    (`trl_roundalign.engine.gemm`; 0: plain `F.linear`)."""
+    contiguous K slices (bias in the first), summed in fp32 and rounded once. `rows`, `min_rows`: the GEMM's schedule
+    (`trl_roundalign.engine.gemm.GemmSchedule`; 0: plain `F.linear`)."""
     if weight.shape[1] % tp:
         raise ValueError(f"the inner dimension {weight.shape[1]} does not split into {tp} equal shards")
     if tp == 1:
         from .gemm import linear
 
-        return linear(x, weight, bias, rows)
-    return _RowParallel.apply(x, weight, bias, tp, rows)
+        return linear(x, weight, bias, rows, min_rows)
+    return _RowParallel.apply(x, weight, bias, tp, rows, min_rows)
 
 
 def _tp_forward(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    tp, rows = module.__dict__[_MARK]
-    return row_parallel_linear(x, module.weight, module.bias, tp, rows)
+    tp, rows, min_rows = module.__dict__[_MARK]
+    return row_parallel_linear(x, module.weight, module.bias, tp, rows, min_rows)
 
 
-def install_tp_linears(model: torch.nn.Module, tp: int, rows: int = 0) -> int:
+def install_tp_linears(model: torch.nn.Module, tp: int, rows: int = 0, min_rows: int = 0) -> int:
     """Make the row-parallel linears of `model` (`ROW_PARALLEL` for its family) compute as a TP=`tp` engine's do.
 
     Installs an instance `forward` (no parameter is added or replaced: TRL's weight sync and the optimizer keep
-    their references; the live weight is sliced at every call). `rows` is the engine's GEMM row-block size (its
-    layout's `gemm_block_rows`; 0: plain `F.linear`). Call it after `gemm.install_row_blocked_linears`, whose
+    their references; the live weight is sliced at every call). `rows`, `min_rows` are the engine's GEMM schedule (its
+    layout's `gemm_block_rows` and `gemm_min_rows`; 0: plain `F.linear`). Call it after `gemm.install_row_blocked_linears`, whose
     forward it replaces on these layers. Returns the number of layers; `tp=1` removes the form.
 
     Raises:
@@ -137,7 +138,7 @@ def install_tp_linears(model: torch.nn.Module, tp: int, rows: int = 0) -> int:
         if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in ROW_PARALLEL[model_type]:
             if module.in_features % tp:
                 raise ValueError(f"{name}: inner dimension {module.in_features} does not split into {tp} shards")
-            module.__dict__[_MARK] = (tp, rows)
+            module.__dict__[_MARK] = (tp, rows, min_rows)
             module.forward = functools.partial(_tp_forward, module)
             n += 1
     if not n:

@@ -93,8 +93,9 @@ class RoundAlignGRPOConfig(GRPOConfig):
         default="auto",
         metadata={
             "help": "How the linear layers compute, on both sides (trl_roundalign.engine.gemm): 'auto' measures this machine's "
-            "GEMM for the model's shapes at start-up and, where it is batch-variant (Intel AMX), computes every linear "
-            "in fixed blocks of 64 rows on the engine and the trainer; a number sets the block size; 0 keeps plain "
+            "GEMM for the model's shapes at start-up and, where it is batch-variant, computes every linear on the engine "
+            "and the trainer with a row floor (calls of fewer rows zero-padded, where only the smallest row counts "
+            "differ: AMD AVX-512) or in fixed blocks of 64 rows (Intel AMX); a number sets row blocks; 0 keeps plain "
             "F.linear (exact mode then refuses where the GEMM is batch-variant). Colocated vLLM-CPU engines only."
         },
     )

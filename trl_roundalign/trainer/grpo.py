@@ -42,6 +42,7 @@ from ..engine import (
     wants_piecewise,
 )
 from ..engine.dispatch import apply_vllm_cpu_weight_sync_fix, is_vllm_cpu
+from ..engine.gemm import GemmSchedule
 from ..engine.layout import LayoutMismatch, apply_to_policy, layout_differences, policy_facts
 from ..ops.attention import sampled_from
 from ..patching import apply_roundalign, get_patch_report, restore_fp32_rope_frequencies
@@ -194,7 +195,7 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
             apply_vllm_cpu_weight_sync_fix()
             if is_vllm_cpu():
                 # Before the engine loads: its linears (our dispatcher) take the decided row-block size at load.
-                planned_rows, self._roundalign_gemm_report = self._decide_gemm_rows(model, args, engine_kwargs)
+                planned_rows, self._roundalign_gemm_report = self._decide_gemm_schedule(model, args, engine_kwargs)
             if is_vllm_cpu() and "attention" in args.roundalign_regions:
                 keep_decode_keys_on_one_thread()  # exact mode recomputes each sampled token as its decode step did
             if is_vllm_cpu() and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
@@ -206,7 +207,7 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
                 )
             tag = "eager" if engine_kwargs.get("enforce_eager") else ("piecewise" if piecewise else "compiled")
             if "VLLM_CACHE_ROOT" not in os.environ or is_vllm_cpu():
-                cache_ctx = scoped_cache_root(engine_cache_root(tag, gemm_block_rows=planned_rows))
+                cache_ctx = scoped_cache_root(engine_cache_root(tag, gemm_schedule=planned_rows))
         rope_ctx = fresh_rope_cache() if colocate else contextlib.nullcontext()
         build_ctx = engine_build_context(engine_kwargs.get("compilation_config")) if colocate else contextlib.nullcontext()
         with cache_ctx, rope_ctx, build_ctx, _engine_options(engine_kwargs if colocate else None), _server_client(args):
@@ -227,12 +228,12 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
                         logger.info("LoRA forward: %d layers compute with the merged weight vLLM receives", n)
             if colocate:
                 self.roundalign_layout = engine_layout(self.vllm_generation.llm)
-                engine_rows = self.roundalign_layout.gemm_block_rows
-                if planned_rows is not None and (engine_rows or 0) != planned_rows:
+                engine_rows = self._gemm_schedule
+                if planned_rows is not None and engine_rows != planned_rows:
                     raise RuntimeError(
-                        f"The colocated engine's linears compute with row blocks of {engine_rows} rows, not the "
-                        f"{planned_rows} decided for this run: something else loaded the engine's linears. Build the "
-                        "trainer in a fresh process."
+                        f"The colocated engine's linears compute with {engine_rows.describe()}, not the "
+                        f"{planned_rows.describe()} decided for this run: something else loaded the engine's linears. "
+                        "Build the trainer in a fresh process."
                     )
             elif args.use_vllm and args.vllm_mode == "server" and args.roundalign_regions:
                 self.roundalign_layout = self._server_check().layout()[0]
@@ -292,10 +293,10 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
         return self.roundalign_layout if getattr(self, "_roundalign_colocated", False) else None
 
     @property
-    def _gemm_rows(self) -> int:
-        """The row-block size the engine's linears compute with, which the policy's reproduce (0: plain F.linear)."""
+    def _gemm_schedule(self) -> GemmSchedule:
+        """The GEMM schedule the engine's linears compute with, which the policy's reproduce."""
         layout = getattr(self, "roundalign_layout", None)
-        return int(layout.gemm_block_rows or 0) if layout is not None else 0
+        return GemmSchedule(int(layout.gemm_block_rows or 0), int(layout.gemm_min_rows or 0)) if layout else GemmSchedule()
 
     @property
     def _tp(self) -> int:
@@ -429,13 +430,13 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
             report = report or report_t
             apply_to_policy(target, self.roundalign_layout, tensor_parallel=self._tp)
         logger.info("RoundAlignGRPOTrainer: %s", report)
-        if self._gemm_rows:
-            logger.info("linear layers: row blocks of %d rows on both sides", self._gemm_rows)
+        if not self._gemm_schedule.plain:
+            logger.info("linear layers: %s on both sides", self._gemm_schedule.describe())
         return report
 
     @staticmethod
-    def _decide_gemm_rows(model, args: RoundAlignGRPOConfig, engine_kwargs: dict):
-        """The row-block size both sides' linears use, and the measurement behind it (`engine.gemm.decide_block_rows`,
+    def _decide_gemm_schedule(model, args: RoundAlignGRPOConfig, engine_kwargs: dict):
+        """The GEMM schedule both sides' linears use, and the measurement behind it (`engine.gemm.decide_schedule`,
         the one decision): the model's linear shapes, their shards at the engine's TP size, and the row counts the run
         reaches (the training micro-batch's tokens, the engine's prefill chunk), measured up to `GEMM_MEASURE_MAX_ROWS`
         rows; what lies above is named in the report. Exact mode refuses, in one line, where no schedule is
@@ -445,8 +446,8 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
 
         requested = args.roundalign_gemm_block_rows
         if not args.roundalign_regions and requested == "auto":
-            gemm.set_block_rows(0)
-            return 0, None
+            gemm.set_schedule(gemm.GemmSchedule())
+            return gemm.GemmSchedule(), None
         if isinstance(model, str):
             from transformers import AutoConfig
 
@@ -458,14 +459,14 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
         reaches = {"the training micro-batch": int(args.per_device_train_batch_size) * length}
         if engine_kwargs.get("max_num_batched_tokens"):
             reaches["the engine's prefill chunk"] = int(engine_kwargs["max_num_batched_tokens"])
-        rows, report = gemm.decide_block_rows(
+        schedule, report = gemm.decide_schedule(
             config, requested, reaches, cap=max(AUTO_MEASURE_ROWS, GEMM_MEASURE_MAX_ROWS),
             tensor_parallel=int(args.vllm_tensor_parallel_size or 1), refuse="attention" in args.roundalign_regions,
         )
-        gemm.set_block_rows(rows)
+        gemm.set_schedule(schedule)
         if report is not None:
             logger.info("GEMM on this machine: %s", report.summary())
-        return rows, report
+        return schedule, report
 
     def _verify_profile(self):
         """Check the profile against the running engine (see `trl_roundalign.trainer.startup_check`); None when not checked."""
@@ -547,7 +548,8 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
             info["engine"] = self.roundalign_layout.as_dict()
         info["logprobs"] = "vllm-sampler" if getattr(self, "_roundalign_sampler_logprobs", False) else "trl-fused-head"
         info["gemm"] = {
-            "block_rows": self._gemm_rows,
+            "block_rows": self._gemm_schedule.block_rows,
+            "min_rows": self._gemm_schedule.min_rows,
             "measured": self._roundalign_gemm_report.as_dict() if self._roundalign_gemm_report is not None else None,
         }
         info["tensor_parallel_size"] = self._tp  # >1: the row-parallel linears sum the engine's shards
@@ -656,7 +658,7 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         with contextlib.ExitStack() as scope:
             if getattr(self, "_roundalign_sampler_logprobs", False):
-                scope.enter_context(sampler_logprobs(self._gemm_rows))
+                scope.enter_context(sampler_logprobs(self._gemm_schedule))
             if "attention" in self.args.roundalign_regions and self.roundalign_engine is not None:
                 # The completions (the last `logits_to_keep` columns) were sampled one decode step per token.
                 scope.enter_context(sampled_from(input_ids.shape[1] - int(logits_to_keep)))

@@ -28,21 +28,21 @@ import logging
 
 import torch
 
-from ..engine.gemm import linear
+from ..engine.gemm import PLAIN, GemmSchedule, linear
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["SamplerLogProb", "install", "installed", "sampler_logprobs"]
 
-_ROWS: contextvars.ContextVar[int | None] = contextvars.ContextVar("roundalign_sampler_logprobs", default=None)
+_ROWS: contextvars.ContextVar[GemmSchedule | None] = contextvars.ContextVar("roundalign_sampler_logprobs", default=None)
 CHUNK_ROWS = 256  # fp32 logits held at a time: CHUNK_ROWS x vocabulary
 
 
 @contextlib.contextmanager
-def sampler_logprobs(rows: int):
-    """Inside: the fused LM head's log-probs are computed the sampler's way, the head's GEMM with `rows`-row blocks
-    (0: plain `F.linear`)."""
-    token = _ROWS.set(int(rows))
+def sampler_logprobs(schedule: GemmSchedule = PLAIN):
+    """Inside: the fused LM head's log-probs are computed the sampler's way, the head's GEMM under the engine's
+    `schedule` (`engine.gemm.GemmSchedule`: row blocks, a row floor, or plain `F.linear`)."""
+    token = _ROWS.set(GemmSchedule(*schedule))
     try:
         yield
     finally:
@@ -60,7 +60,7 @@ class SamplerLogProb(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping=None,
-                logit_scale=1.0, outputs=("entropy",), rows=0):
+                logit_scale=1.0, outputs=("entropy",), schedule=PLAIN):
         ctx.set_materialize_grads(False)
         n, vocab = hidden.shape[0], weight.shape[0]
         device = hidden.device
@@ -75,11 +75,12 @@ class SamplerLogProb(torch.autograd.Function):
         temp = torch.tensor(float(temperature), dtype=torch.float32, device=device)
         w = weight.to(compute_dtype)
         b = bias.to(compute_dtype) if bias is not None else None
+        rows = schedule.block_rows
         step = max(CHUNK_ROWS // rows, 1) * rows if rows else CHUNK_ROWS
         with torch.autocast(device.type, enabled=False):
             for s in range(0, n, step):
                 e = min(s + step, n)
-                z = linear(hidden[s:e].to(compute_dtype), w, b, rows=rows).float()  # the engine's bf16 logits, fp32
+                z = linear(hidden[s:e].to(compute_dtype), w, b, rows, schedule.min_rows).float()  # the engine's bf16 logits, fp32
                 if float(temperature) != 1.0:
                     z.div_(temp)  # the sampler's `logits.div_(temp)`
                 lp = torch.log_softmax(z, dim=-1)
@@ -115,11 +116,11 @@ class _Dispatch:
     @staticmethod
     def apply(hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping=None, logit_scale=1.0,
               outputs=("entropy",)):
-        rows = _ROWS.get()
-        if rows is None or final_logit_softcapping is not None or logit_scale != 1.0:
+        schedule = _ROWS.get()
+        if schedule is None or final_logit_softcapping is not None or logit_scale != 1.0:
             return _trl_function().apply(hidden, weight, bias, targets, temperature, chunk_size,
                                          final_logit_softcapping, logit_scale, outputs)
-        return SamplerLogProb.apply(hidden, weight, bias, targets, temperature, chunk_size, None, 1.0, outputs, rows)
+        return SamplerLogProb.apply(hidden, weight, bias, targets, temperature, chunk_size, None, 1.0, outputs, schedule)
 
 
 def install() -> None:

