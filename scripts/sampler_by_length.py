@@ -46,6 +46,7 @@ def share(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
 
 
 def measure(head_dim: int, lengths: list[int], samples: int, chunk: int, prompts: list[int]) -> list[dict]:
+    from transformers import AutoConfig
     from vllm import SamplingParams, TokensPrompt
 
     from trl_roundalign.analysis.compare import completion_matrix, score_conditions
@@ -53,7 +54,7 @@ def measure(head_dim: int, lengths: list[int], samples: int, chunk: int, prompts
     from trl_roundalign.engine import build_llm, close_llm, engine_layout, inductor_reduction_lanes, profile_for_engine
     from trl_roundalign.engine.profile import exact_profile_for
     from trl_roundalign.local_models import tiny_model
-    from trl_roundalign.ops.attention import prefill_batch_invariant_tokens, sampled_from
+    from trl_roundalign.ops.attention import model_prompt_horizon, sampled_from
     from trl_roundalign.profiles import ALL_REGIONS
     from trl_roundalign.scoring import Sample, vllm_prefill_logprobs
 
@@ -64,8 +65,7 @@ def measure(head_dim: int, lengths: list[int], samples: int, chunk: int, prompts
     lanes = inductor_reduction_lanes(llm)
     condition = Condition("exact", ALL_REGIONS, exact_profile_for(profile_for_engine(layout)))
     rows = []
-    heads, kv_heads = model_heads(model)
-    horizon = prefill_batch_invariant_tokens(head_dim, heads, kv_heads, block_size=layout.kv_block_size)
+    horizon = model_prompt_horizon(AutoConfig.from_pretrained(str(model)), block_size=layout.kv_block_size)
     try:
         for n_prompt in prompts:
             prompt = torch.randint(10, 500, (n_prompt,), generator=torch.Generator().manual_seed(n_prompt)).tolist()
@@ -103,13 +103,6 @@ def measure(head_dim: int, lengths: list[int], samples: int, chunk: int, prompts
     finally:
         close_llm(llm)
     return rows, layout
-
-
-def model_heads(path) -> tuple[int, int]:
-    from transformers import AutoConfig
-
-    cfg = AutoConfig.from_pretrained(str(path))
-    return int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
 
 
 def main() -> None:

@@ -66,7 +66,7 @@ def test_policy_facts_are_read_back_from_the_model(tiny_models):
 
     model = AutoModelForCausalLM.from_pretrained(tiny_models["qwen3"], dtype=torch.bfloat16)
     plain = {"dtype": "bfloat16", "gemm_block_rows": 0, "gemm_min_rows": 0, "tensor_parallel_size": 1,
-             "attention_kv_split": None}
+             "attention_kv_split": None, "attention_threads": None}
     assert policy_facts(model) == plain
     apply_to_policy(model, EngineLayout(**CPU_ENGINE, gemm_block_rows=64, tensor_parallel_size=2), tensor_parallel=2)
     assert policy_facts(model) == {**plain, "gemm_block_rows": 64, "tensor_parallel_size": 2}
@@ -88,6 +88,20 @@ def test_exact_attention_refuses_an_engine_that_splits_a_decoding_sequences_keys
     assert "VLLM_CPU_ATTN_SPLIT_KV=0" in line and "\n" not in line
     assert layout_differences(split, {**same, "attention_kv_split": None}, tensor_parallel=True) == []
     assert layout_differences(EngineLayout(**CPU_ENGINE, attention_kv_split=False), exact, tensor_parallel=True) == []
+
+
+def test_exact_attention_refuses_a_policy_on_other_threads_than_the_engines_attention():
+    """The kernel shares a prompt's prefill among the threads, so the policy computing the engine's attention must run
+    on the engine's thread count (read in its worker); a policy with its own attention compares nothing of it."""
+    same = {"dtype": "bfloat16", "gemm_block_rows": 0, "gemm_min_rows": 0, "tensor_parallel_size": 1}
+    engine = EngineLayout(**CPU_ENGINE, attention_kv_split=False, attention_threads=2)
+    exact = {**same, "attention_kv_split": False, "attention_threads": 2}
+    assert layout_differences(engine, exact, tensor_parallel=True) == []
+    [line] = layout_differences(engine, {**exact, "attention_threads": 4}, tensor_parallel=True)
+    assert line.startswith("The engine layout's attention_threads is 2 but the policy computes with 4: ") and "\n" not in line
+    assert "torch.set_num_threads(2)" in line
+    assert layout_differences(engine, {**same, "attention_kv_split": None, "attention_threads": None},
+                              tensor_parallel=True) == []
 
 
 def test_the_compile_cache_folder_names_the_gemm_schedule():

@@ -327,8 +327,10 @@ def policy_facts(model) -> dict:
         "gemm_min_rows": min_rows.pop() if len(min_rows) == 1 else "mixed",
         "tensor_parallel_size": tps.pop() if len(tps) == 1 else "mixed",
         # The engine's attention kernel in the policy (region "attention"): it recomputes each sampled token in
-        # decode form with the keys on one thread, which reproduces a sampler that never splits them.
+        # decode form with the keys on one thread, which reproduces a sampler that never splits them, and shares
+        # its work among this process's threads as the engine's schedule does among its own.
         "attention_kv_split": False if _computes_engine_attention(model) else None,
+        "attention_threads": torch.get_num_threads() if _computes_engine_attention(model) else None,
     }
 
 
@@ -344,6 +346,9 @@ _REPRODUCED = {
     "gemm_block_rows": "build the trainer in a fresh process (something else changed the policy's linears)",
     "gemm_min_rows": "build the trainer in a fresh process (something else changed the policy's linears)",
     "tensor_parallel_size": "build the trainer in a fresh process (something else changed the policy's linears)",
+    "attention_threads": "the kernel's schedule shares a prompt's prefill among the threads, so its bits depend on "
+                         "their number. Run the trainer with the engine's thread count (torch.set_num_threads({engine}) "
+                         "before building it, or OMP_NUM_THREADS={engine}), or drop 'attention'",
     "attention_kv_split": "its sampler's log-probs then depend on which sequences share a decode step. Start the "
                           "engine with VLLM_CPU_ATTN_SPLIT_KV=0 in its environment (the trainer sets it for a colocated "
                           "engine it builds first in its process; `trl-roundalign serve` sets it), or drop 'attention'",
@@ -360,12 +365,13 @@ def layout_differences(layout: EngineLayout, facts: dict, *, tensor_parallel: bo
         "gemm_min_rows": int(layout.gemm_min_rows or 0),
         "tensor_parallel_size": int(layout.tensor_parallel_size or 1) if tensor_parallel else 1,
         "attention_kv_split": layout.attention_kv_split,
+        "attention_threads": layout.attention_threads,
     }
     out = []
     for name, value in engine.items():
         if fields is not None and name not in fields:
             continue
-        if name == "attention_kv_split" and facts.get(name) is None:
+        if name in ("attention_kv_split", "attention_threads") and facts.get(name) is None:
             continue  # the policy's attention is not the engine's kernel: nothing of the schedule is reproduced
         if value is not None and facts.get(name) != value:
             how = _REPRODUCED[name].format(engine=value, policy=facts.get(name))

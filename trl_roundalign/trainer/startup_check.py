@@ -618,14 +618,9 @@ class PromptHorizon:
 
     @classmethod
     def measure(cls, model, block_size: int | None) -> PromptHorizon:
-        from ..ops.attention import DEFAULT_BLOCK_SIZE, prefill_batch_invariant_tokens
+        from ..ops.attention import model_prompt_horizon
 
-        cfg = getattr(model, "config", None)
-        cfg = getattr(cfg, "text_config", None) or cfg
-        heads = int(cfg.num_attention_heads)
-        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
-        kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
-        horizon = cls(prefill_batch_invariant_tokens(head_dim, heads, kv_heads, block_size=block_size or DEFAULT_BLOCK_SIZE))
+        horizon = cls(model_prompt_horizon(model.config, block_size=block_size))
         logger.info("exact mode: prompts of up to %s tokens are prefilled with the same bits in any batch here",
                     "any number of" if horizon.tokens is None else horizon.tokens)
         return horizon
