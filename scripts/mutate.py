@@ -216,10 +216,25 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "gemm-auto-ignores-measurement", "trl_roundalign/engine/gemm.py",
-        "        if plain.invariant:\n            return 0, plain",
-        "        if True:\n            return 0, plain",
-        "'auto' takes plain F.linear without looking at the measurement (wrong on Intel AMX)",
-        (f"{GEMM}::test_auto_blocks_where_plain_is_measured_variant", f"{GEMM}::test_choose_block_rows_follows_the_measurement"),
+        "    if reports[0].invariant:\n        return GemmSchedule(), reports",
+        "    if True:\n        return GemmSchedule(), reports",
+        "'auto' takes plain F.linear without looking at the measurement (wrong on Intel AMX and AMD AVX-512)",
+        (f"{GEMM}::test_auto_blocks_where_plain_is_measured_variant", f"{GEMM}::test_choose_schedule_follows_the_measurement"),
+    ),
+    Mutation(
+        "gemm-floor-unpadded", "trl_roundalign/engine/gemm.py",
+        "    if m >= min_rows:\n",
+        "    if m >= 1:\n",
+        "the row floor computes a short call at its own row count (a 1-row decode GEMM on AMD AVX-512)",
+        (f"{GEMM}::test_every_gemm_call_under_a_floor_has_at_least_the_floor",
+         f"{GEMM}::test_row_floor_is_the_padded_gemm_below_the_floor_and_plain_above"),
+    ),
+    Mutation(
+        "gemm-floor-never-tried", "trl_roundalign/engine/gemm.py",
+        "    candidates = ([GemmSchedule(0, floor)] if floor else []) + [GemmSchedule(DEFAULT_BLOCK_ROWS)]",
+        "    candidates = [GemmSchedule(DEFAULT_BLOCK_ROWS)]",
+        "'auto' pads every call to 64-row blocks where a row floor would do (the decode-time cost it removes)",
+        (f"{GEMM}::test_auto_takes_a_row_floor_where_only_the_smallest_row_counts_differ",),
     ),
     # ---- the TP sum order --------------------------------------------------------------------------------------
     Mutation(

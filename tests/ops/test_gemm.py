@@ -234,6 +234,25 @@ def test_row_floor_is_the_padded_gemm_below_the_floor_and_plain_above(m):
     assert_bitwise_equal(wg.grad, wr.grad, label="grad w")
 
 
+@pytest.mark.parametrize("m", [1, 2, 3, 5])
+def test_every_gemm_call_under_a_floor_has_at_least_the_floor(monkeypatch, m):
+    """The floor itself, seen on any machine: every GEMM that `linear(min_rows=3)` runs has at least 3 rows, and a
+    call of 3 or more rows is one GEMM of its own rows. Where the machine's 2-row GEMM is invariant, an unpadded call
+    gives the same bits, so the bitwise test above cannot see it there."""
+    seen = []
+    real = F.linear
+
+    def counting(x, w, b=None):
+        seen.append(x.reshape(-1, x.shape[-1]).shape[0])
+        return real(x, w, b)
+
+    x, w = _x(m, 576), _w(96, 576)
+    monkeypatch.setattr(gemm.F, "linear", counting)
+    gemm.linear(x, w, None, min_rows=3)
+    monkeypatch.undo()
+    assert seen == [max(m, 3)], seen
+
+
 def test_schedule_transport_and_install_round_trip(monkeypatch):
     """The decided schedule reaches the engine's dispatcher through its transport and a model's linears through
     `install_row_blocked_linears`, and is read back whole from both."""
