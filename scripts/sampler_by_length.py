@@ -54,9 +54,10 @@ def measure(head_dim: int, lengths: list[int], samples: int, chunk: int, prompts
     from trl_roundalign.engine import build_llm, close_llm, engine_layout, inductor_reduction_lanes, profile_for_engine
     from trl_roundalign.engine.profile import exact_profile_for
     from trl_roundalign.local_models import tiny_model
-    from trl_roundalign.ops.attention import model_prompt_horizon, sampled_from
+    from trl_roundalign.ops.attention import sampled_from
     from trl_roundalign.profiles import ALL_REGIONS
     from trl_roundalign.scoring import Sample, vllm_prefill_logprobs
+    from trl_roundalign.trainer.startup_check import model_prompt_horizon
 
     model = tiny_model("qwen3", num_hidden_layers=2, head_dim=head_dim, max_position_embeddings=16384)
     max_len = max(lengths) + max(prompts) + 8

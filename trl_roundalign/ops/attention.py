@@ -312,16 +312,6 @@ def _check_decode_from(decode_from: Sequence[int] | None, lens: list[int]) -> li
     return prefill
 
 
-def model_prompt_horizon(config, *, block_size: int | None = None) -> int | None:
-    """`prefill_batch_invariant_tokens` at a model's attention shape (its config's head dim and query/key-value head
-    counts; a multimodal config's text part)."""
-    cfg = getattr(config, "text_config", None) or config
-    heads = int(cfg.num_attention_heads)
-    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
-    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
-    return prefill_batch_invariant_tokens(head_dim, heads, kv_heads, block_size=block_size or DEFAULT_BLOCK_SIZE)
-
-
 def prefill_batch_invariant_tokens(
     head_dim: int, num_heads: int, num_kv_heads: int, *, block_size: int = DEFAULT_BLOCK_SIZE, step: int = 32,
     limit: int = 4096, dtype: torch.dtype = torch.bfloat16,

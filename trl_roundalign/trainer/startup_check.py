@@ -604,6 +604,18 @@ def verify_against_sampler(model, llm, sequences: list[list[int]], result: Verif
         )
 
 
+def model_prompt_horizon(config, *, block_size: int | None = None) -> int | None:
+    """`ops.attention.prefill_batch_invariant_tokens` at a model's attention shape (its config's head dim and
+    query/key-value head counts; a multimodal config's text part)."""
+    from ..ops.attention import DEFAULT_BLOCK_SIZE, prefill_batch_invariant_tokens
+
+    cfg = getattr(config, "text_config", None) or config
+    heads = int(cfg.num_attention_heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    return prefill_batch_invariant_tokens(head_dim, heads, kv_heads, block_size=block_size or DEFAULT_BLOCK_SIZE)
+
+
 class PromptHorizon:
     """Exact mode's prompt limit on this machine: the longest prompt whose prefill the engine's attention kernel
     computes with the same bits in any batch (`ops.attention.prefill_batch_invariant_tokens`, measured at start-up
@@ -618,8 +630,6 @@ class PromptHorizon:
 
     @classmethod
     def measure(cls, model, block_size: int | None) -> PromptHorizon:
-        from ..ops.attention import model_prompt_horizon
-
         horizon = cls(model_prompt_horizon(model.config, block_size=block_size))
         logger.info("exact mode: prompts of up to %s tokens are prefilled with the same bits in any batch here",
                     "any number of" if horizon.tokens is None else horizon.tokens)
