@@ -74,6 +74,7 @@ def test_vllm_serves_each_tiny_model_with_logprobs(arch, engines):
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(out.prompt_token_ids)
 
 
+@pytest.mark.full  # 41 s; make test-full: kept out of make test for its time (docs/evidence.md, 'make test-full')
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_smollm2_converts_and_answers_arithmetic(engines):

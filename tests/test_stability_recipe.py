@@ -140,6 +140,7 @@ def test_other_settings_in_a_rows_file_refuse_to_resume(stability, tmp_path):
         stability.plan_run("exact", 0, 3, results, tmp_path / "out", settings)
 
 
+@pytest.mark.full  # 33 s; make test-full: kept out of make test for its time (docs/evidence.md, 'make test-full')
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_tiny_model_runs_stops_and_resumes_without_duplicate_rows(stability, tmp_path, capfd):

@@ -139,6 +139,7 @@ def assert_one_line_error(proc, pattern):
     assert re.search(pattern, err[0]), err[0]
 
 
+@pytest.mark.full  # 78 s of CLI processes; the one-line refusals stay in test_probe; make test-full: kept out of make test for its time (docs/evidence.md, 'make test-full')
 def test_cli_bad_input(tmp_path):
     tiny = str(tiny_model("qwen3"))
     assert_one_line_error(run_cli("analyze", str(tmp_path / "missing-model")), "does not exist")
@@ -167,6 +168,7 @@ def test_cli_bad_input(tmp_path):
     assert engine_kwargs_from(piecewise=True)["piecewise"] is True
 
 
+@pytest.mark.full  # 56 s (GEMM measurement at SmolLM2's shapes); make test-full: kept out of make test for its time (docs/evidence.md, 'make test-full')
 def test_cli_env():
     proc = run_cli("env")
     assert proc.returncode == 0, proc.stderr[-2000:]

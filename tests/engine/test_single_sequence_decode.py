@@ -7,6 +7,7 @@ a schedule where a 1-row call differs (a row floor of 2 where only M = 1 differs
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from trl_roundalign.engine import gemm
@@ -32,6 +33,7 @@ def test_the_measurement_sees_a_single_row_that_differs_beyond_the_first(monkeyp
     assert report.shapes[0].variant_rows[:1] == [1] and not report.invariant, report.summary()
 
 
+@pytest.mark.full  # SmolLM2 on the engine, 109 s; make test-full: kept out of make test for its time (docs/evidence.md, 'make test-full')
 def test_a_sequence_decoded_alone_matches_the_prefill(smollm2):
     """SmolLM2 on the engine the project builds ("auto" GEMM schedule): one request decoded alone (every decode step a
     1-row GEMM), its sampler log-probs bit-identical to the engine's prefill of prompt + completion, the bits exact

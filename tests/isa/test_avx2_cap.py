@@ -39,6 +39,7 @@ print("RESULT " + json.dumps(out))
 """
 
 
+@pytest.mark.full  # 63 s; make test-full: kept out of make test for its time (docs/evidence.md, 'make test-full')
 def test_exact_mode_is_bit_identical_when_capped_to_avx2(cache_dir, tmp_path):
     env = subprocess_env()
     env.update(ATEN_CPU_CAPABILITY="avx2", ONEDNN_MAX_CPU_ISA="AVX2")

@@ -71,7 +71,7 @@ SLOW = {"smollm2-135m"}
 # peaked-qwen3 (about 33 s; the piecewise engine stays covered by tiny-qwen2-odd, Gemma 3 and OLMo 2's analyze) moved
 # to make test-full too.
 IN_MAKE_TEST = {
-    "whole": {"tiny-qwen3", "peaked-qwen3", "smollm2-width"},
+    "whole": {"tiny-qwen3", "peaked-qwen3"},
     "piecewise": {"tiny-qwen2-odd"},
 }
 CHAT = (

@@ -32,6 +32,7 @@ def _analyze(model: str, out, *extra: str) -> subprocess.CompletedProcess:
         pytest.param("peaked-olmo2", "whole", marks=pytest.mark.full),
     ],
 )
+@pytest.mark.full  # 64 s; OLMo 2's regions stay in tests/ops; make test-full: kept out of make test for its time (docs/evidence.md, 'make test-full')
 def test_olmo2_regions_and_exact_mode_through_analyze(tmp_path, model, engine):
     out = tmp_path / model
     extra = ["--piecewise"] if engine == "piecewise" else []

@@ -35,6 +35,7 @@ def _avx2_kernels() -> bool:
     return vllm_cpu_kernel_library() == EXACT_KERNEL_LIBRARY
 
 
+@pytest.mark.full  # 54 s; make test-full: kept out of make test for its time (docs/evidence.md, 'make test-full')
 def test_qwen3_moe_three_regions_lower_the_mismatch_through_analyze(tmp_path):
     # 48 new tokens, not fewer: with 32 (8 samples) the three regions came out above default BF16 (k3 0.077 vs 0.067),
     # the mean carried by a few expert flips of up to ~15 nats (docs/numerics.md, "Qwen3-MoE"); at this sample size

@@ -58,6 +58,7 @@ def tp2_run(cache_dir):
     return script, path, script.engine_in_process(2, path, out)
 
 
+@pytest.mark.full  # a TP=2 engine, 57 s; colocated TP=2 exact stays in make test; make test-full: kept out of make test for its time (docs/evidence.md, 'make test-full')
 @pytest.mark.vllm
 def test_tp2_engine_is_read_and_refused_without_the_tp_form(tp2_run):
     _, _, run = tp2_run
@@ -73,6 +74,7 @@ def test_tp2_engine_is_read_and_refused_without_the_tp_form(tp2_run):
         assert profile_for_engine(info, tensor_parallel=True) == "vllm-compiled"
 
 
+@pytest.mark.full  # the same TP=2 engine; make test-full: kept out of make test for its time (docs/evidence.md, 'make test-full')
 @pytest.mark.vllm
 def test_exact_mode_with_the_tp_form_reproduces_the_tp2_engine_bit_for_bit(tp2_run):
     script, path, run = tp2_run

@@ -78,6 +78,7 @@ def tp2_server(tmp_path_factory):
         srv.stop()
 
 
+@pytest.mark.full  # a TP=2 server, 81 s for the three; make test-full: kept out of make test for its time (docs/evidence.md, 'make test-full')
 @pytest.mark.vllm
 def test_server_mode_trains_against_a_tp2_server_with_the_tp_form(tp2_server, tmp_path):
     from trl_roundalign import RoundAlignGRPOTrainer
@@ -158,6 +159,7 @@ def test_server_mode_trains_against_a_tp2_server_with_the_tp_form(tp2_server, tm
             client.close_communicator()
 
 
+@pytest.mark.full  # a TP=2 server, 81 s for the three; make test-full: kept out of make test for its time (docs/evidence.md, 'make test-full')
 @pytest.mark.vllm
 def test_an_explicit_profile_gets_the_tp_form_from_the_start_up_check(tp2_server, tmp_path):
     """`roundalign_profile='vllm-compiled'` (not 'auto'): the start-up check reads the TP size and installs the form;
@@ -178,6 +180,7 @@ def test_an_explicit_profile_gets_the_tp_form_from_the_start_up_check(tp2_server
     assert eager.kl_k3 - chosen.kl_k3 > ver.k3_margin, ver
 
 
+@pytest.mark.full  # a TP=2 server, 81 s for the three; make test-full: kept out of make test for its time (docs/evidence.md, 'make test-full')
 def test_with_the_start_up_check_off_the_server_layout_is_still_followed(tp2_server, tmp_path):
     """`roundalign_verify_profile=False` and an explicit profile: nothing verifies, but the trainer still reads the
     server's /server_info for what it must reproduce (the TP form and the GEMM row blocks), rather than silently

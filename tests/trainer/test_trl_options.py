@@ -22,9 +22,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 # In make test: the options most recipes set. make test-full trains every row.
 OPTIONS = {
-    "beta": ({"beta": 0.04}, False),
+    "beta": ({"beta": 0.04}, True),
     "is-correction": ({"vllm_importance_sampling_correction": True}, False),
-    "cispo": ({"loss_type": "cispo", "epsilon_high": 5.0}, False),
+    "cispo": ({"loss_type": "cispo", "epsilon_high": 5.0}, True),
     "gspo": ({"importance_sampling_level": "sequence", "loss_type": "grpo"}, True),
     "is-token-truncate": ({"vllm_importance_sampling_correction": True, "vllm_importance_sampling_mode": "token_truncate"}, True),
     "is-token-mask": ({"vllm_importance_sampling_correction": True, "vllm_importance_sampling_mode": "token_mask"}, True),
@@ -39,7 +39,7 @@ OPTIONS = {
     "gradient-checkpointing": ({"gradient_checkpointing": True}, True),
     "mask-truncated": ({"mask_truncated_completions": True, "max_completion_length": 8}, True),
     "num-iterations": ({"num_iterations": 2, "steps_per_generation": 1, "max_steps": 3}, True),
-    "temperature": ({"temperature": 0.7}, False),
+    "temperature": ({"temperature": 0.7}, True),
     "sync-ref-model": ({"beta": 0.04, "sync_ref_model": True, "ref_model_sync_steps": 1, "ref_model_mixup_alpha": 0.5}, True),
     "luspo": ({"loss_type": "luspo", "importance_sampling_level": "sequence"}, True),
     "pad-to-multiple-of": ({"pad_to_multiple_of": 8}, True),
