@@ -270,8 +270,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "sampler-logits-bf16", "trl_roundalign/trainer/logprobs.py",
-        "z = linear(hidden[s:e].to(compute_dtype), w, b, rows=rows).float()",
-        "z = linear(hidden[s:e].to(compute_dtype), w, b, rows=rows)",
+        "z = linear(hidden[s:e].to(compute_dtype), w, b, rows, schedule.min_rows).float()",
+        "z = linear(hidden[s:e].to(compute_dtype), w, b, rows, schedule.min_rows)",
         "the log-softmax computed on bf16 logits (the sampler converts them to fp32 first)",
         (f"{SAMPLER}::test_forward_is_the_samplers_bit_for_bit",),
     ),
