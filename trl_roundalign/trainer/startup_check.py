@@ -26,13 +26,16 @@ import torch
 
 from .. import metrics
 from ..engine import EXACT_REFINEMENTS
+from ..ops.attention import DEFAULT_BLOCK_SIZE, vllm_cpu_attention_forward
 from ..profiles import ALL_REGIONS, get_profile, is_exact
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "ProfileMismatch",
+    "PromptHorizon",
     "Verification",
+    "prefill_batch_invariant_tokens",
     "server_engine_info",
     "server_prompt_logprobs",
     "verification_sequences",
@@ -604,11 +607,37 @@ def verify_against_sampler(model, llm, sequences: list[list[int]], result: Verif
         )
 
 
-def model_prompt_horizon(config, *, block_size: int | None = None) -> int | None:
-    """`ops.attention.prefill_batch_invariant_tokens` at a model's attention shape (its config's head dim and
-    query/key-value head counts; a multimodal config's text part)."""
-    from ..ops.attention import DEFAULT_BLOCK_SIZE, prefill_batch_invariant_tokens
+def prefill_batch_invariant_tokens(
+    head_dim: int, num_heads: int, num_kv_heads: int, *, block_size: int = DEFAULT_BLOCK_SIZE, step: int = 32,
+    limit: int = 4096, dtype: torch.dtype = torch.bfloat16,
+) -> int | None:
+    """The longest prompt (a multiple of `step`) whose prefill this process's kernel computes with the same bits alone
+    and beside other sequences in one call, on this process's threads; None where every length up to `limit` is.
 
+    Where an engine computes a step's prompts in one kernel call (not `engine.prefill`'s), a prompt's prefill is
+    shared with the batch's other prompts, and the schedule shares the step's work among the threads: where a prompt is longer than one key tile, how its query tiles fall into work
+    items changes its bits, so it depends on the batch, which the trainer does not know. Measured, not derived: random
+    inputs, each length alone against itself after and before a 1,000-token sequence, from `step` up, stopping at
+    the first length that differs."""
+    g = torch.Generator().manual_seed(0)
+    other = 1000
+    for n in range(step, limit + 1, step):
+        q = (torch.randn(n + other, num_heads, head_dim, generator=g) * 2).to(dtype)
+        k = torch.randn(n + other, num_kv_heads, head_dim, generator=g).to(dtype)
+        v = torch.randn(n + other, num_kv_heads, head_dim, generator=g).to(dtype)
+        kw = dict(scale=head_dim**-0.5, block_size=block_size, prefill_alone=False)
+        alone = vllm_cpu_attention_forward(q[:n], k[:n], v[:n], seq_lens=[n], **kw)
+        first = vllm_cpu_attention_forward(q, k, v, seq_lens=[n, other], **kw)[:n]
+        qq, kk, vv = (torch.cat([t[n:], t[:n]]) for t in (q, k, v))
+        last = vllm_cpu_attention_forward(qq, kk, vv, seq_lens=[other, n], **kw)[other:]
+        if not (torch.equal(alone, first) and torch.equal(alone, last)):
+            return n - step
+    return None
+
+
+def model_prompt_horizon(config, *, block_size: int | None = None) -> int | None:
+    """`trainer.startup_check.prefill_batch_invariant_tokens` at a model's attention shape (its config's head dim and
+    query/key-value head counts; a multimodal config's text part)."""
     cfg = getattr(config, "text_config", None) or config
     heads = int(cfg.num_attention_heads)
     head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
@@ -617,16 +646,30 @@ def model_prompt_horizon(config, *, block_size: int | None = None) -> int | None
 
 
 class PromptHorizon:
-    """Exact mode's prompt limit on this machine: the longest prompt whose prefill the engine's attention kernel
-    computes with the same bits in any batch (`ops.attention.prefill_batch_invariant_tokens`, measured at start-up
-    at the model's attention shape and this process's threads, which a colocated engine shares). A longer prompt's
-    prefill depended on the other prompts of its engine step, which the trainer does not reproduce: its completion
-    tokens may differ from the sampler. `check` warns once per run when a batch has one (the mismatch metrics show
-    by how much)."""
+    """Exact mode's prompt limit: none where the engine prefills each prompt alone and whole (`EngineLayout.
+    prompts_alone`, what the trainer's colocated engine does, `engine.prefill`); else, on this machine, the longest
+    prompt whose prefill the engine's attention kernel computes with the same bits in any batch
+    (`trainer.startup_check.prefill_batch_invariant_tokens`, measured at start-up at the model's attention shape and this
+    process's threads, which a colocated engine shares). A longer prompt's prefill depended on the other prompts of
+    its engine step, which the trainer does not reproduce: its completion tokens may differ from the sampler. `check`
+    warns once per run when a batch has one (the mismatch metrics show by how much)."""
 
     def __init__(self, tokens: int | None):
         self.tokens = tokens
         self.warned = False
+
+    @classmethod
+    def for_engine(cls, layout, model, block_size: int | None) -> PromptHorizon:
+        if layout is not None and layout.prompts_alone:
+            logger.info("exact mode: the engine prefills each prompt alone and whole, as the trainer recomputes it: "
+                        "prompts of any length are reproduced")
+            return cls(None)
+        why = ("its attention computes a step's prompts together" if layout is None or not layout.attention_prefill_alone
+               else "it may chunk a prompt's prefill" if layout.chunked_prefill is not False
+               else "it prefills a prompt's uncached tail only (prefix caching)")
+        logger.warning("exact mode: the engine does not prefill each prompt alone and whole (%s; `engine.prefill`): "
+                       "the start-up check measures how long a prompt may be", why)
+        return cls.measure(model, block_size)
 
     @classmethod
     def measure(cls, model, block_size: int | None) -> PromptHorizon:

