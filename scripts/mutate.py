@@ -62,6 +62,7 @@ METRICS = "tests/test_metrics.py"
 WINDOWS = "tests/test_metrics_windows.py"
 TIE = "tests/trainer/test_verify_tie.py"
 SERVER = "tests/trainer/test_server_mode.py"
+ALONE = "tests/engine/test_prefill_alone.py"
 
 MUTATIONS: tuple[Mutation, ...] = (
     # ---- the regions' arithmetic -------------------------------------------------------------------------------
@@ -173,8 +174,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "attn-window-dropped", "trl_roundalign/ops/attention.py",
-        "            sliding_window=int(sliding_window),\n            block_table=block_table,",
-        "            sliding_window=-1,\n            block_table=block_table,",
+        "                sliding_window=int(sliding_window),\n                block_table=group_table,",
+        "                sliding_window=-1,\n                block_table=group_table,",
         "the kernel call loses the layer's sliding window (the engine applies it)",
         (f"{ATTN}::test_the_kernel_applies_the_window_it_is_given",),
     ),
@@ -235,6 +236,21 @@ MUTATIONS: tuple[Mutation, ...] = (
         "    candidates = [GemmSchedule(DEFAULT_BLOCK_ROWS)]",
         "'auto' pads every call to 64-row blocks where a row floor would do (the decode-time cost it removes)",
         (f"{GEMM}::test_auto_takes_a_row_floor_where_only_the_smallest_row_counts_differ",),
+    ),
+    # ---- each prompt prefilled alone (engine.prefill) -----------------------------------------------------------
+    Mutation(
+        "engine-prompts-batched", "trl_roundalign/engine/prefill.py",
+        "            groups = request_groups([e - s for s, e in zip(loc[:-1], loc[1:])])\n",
+        "            groups = None\n",
+        "the engine computes a step's prompts in one attention call again (a long prompt's bits depend on its company)",
+        (f"{ALONE}::test_a_long_prompt_is_prefilled_as_alone_beside_others",),
+    ),
+    Mutation(
+        "trainer-prompts-batched", "trl_roundalign/ops/attention.py",
+        "    groups = (alone and request_groups(",
+        "    groups = (False and request_groups(",
+        "the trainer recomputes a forward's prompts in one kernel call, not each alone as the engine prefilled them",
+        (f"{ALONE}::test_the_trainer_computes_each_prompt_as_its_lone_prefill",),
     ),
     # ---- the TP sum order --------------------------------------------------------------------------------------
     Mutation(

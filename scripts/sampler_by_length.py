@@ -12,6 +12,10 @@ length), sampled at temperature 1 with the log-probs vLLM's sampler returns. Thr
 - `exact (decode form)`: the trainer's exact forward with the completion tokens in decode form
   (`ops.attention.sampled_from`), which the trainer uses.
 
+Engines (`--engines`): `alone`, the one exact mode builds (each prompt prefilled in an attention call of its own,
+whole: `engine.prefill`), and `batched`, vLLM's own prefill (a step's prompts in one call, chunked prefill, prefix
+caching), which exact mode reproduces only up to the prompt horizon.
+
 Prompts (`--prompt-lengths`): short (16 tokens), below and above the prompt horizon the trainer measures at
 start-up (`trainer.startup_check.prefill_batch_invariant_tokens`, reported per head dim), and longer than the engine's
 prefill chunk (`--chunk`, TRL colocate's 4096), so the engine splits its prefill over steps (unseeded requests:
@@ -62,13 +66,15 @@ def measure(head_dim: int, lengths: list[int], samples: int, chunk: int, prompts
 
     model = tiny_model("qwen3", num_hidden_layers=2, head_dim=head_dim, max_position_embeddings=16384)
     max_len = max(lengths) + max(prompts) + 8
-    llm = build_llm(model, max_model_len=max_len, max_num_batched_tokens=chunk, prefill_alone=prefill_alone)
-    chunk = engine_layout(llm).max_num_batched_tokens or chunk
+    llm = build_llm(model, max_model_len=max_len, max_num_batched_tokens=chunk, prefill_alone=prefill_alone,
+                    cache_tag="alone" if prefill_alone else "")
+    chunk = engine_layout(llm).max_num_batched_tokens or chunk  # prefill alone: at least the context length
     layout = engine_layout(llm)
     lanes = inductor_reduction_lanes(llm)
     condition = Condition("exact", ALL_REGIONS, exact_profile_for(profile_for_engine(layout)))
     rows = []
-    horizon = model_prompt_horizon(AutoConfig.from_pretrained(str(model)), block_size=layout.kv_block_size)
+    horizon = None if prefill_alone else model_prompt_horizon(AutoConfig.from_pretrained(str(model)),
+                                                                block_size=layout.kv_block_size)
     try:
         for n_prompt in prompts:
             prompt = torch.randint(10, 500, (n_prompt,), generator=torch.Generator().manual_seed(n_prompt)).tolist()
@@ -93,6 +99,7 @@ def measure(head_dim: int, lengths: list[int], samples: int, chunk: int, prompts
                         )["exact"]
                 sampler, mask = completion_matrix(got, None)
                 row = {
+                    "engine_prefill": "alone" if prefill_alone else "batched",
                     "head_dim": head_dim, "prompt_horizon": horizon, "prompt_tokens": n_prompt,
                     "prompt_chunked": n_prompt > chunk, "completion_tokens": length,
                     "samples": samples,
@@ -117,12 +124,16 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=3)
     ap.add_argument("--chunk", type=int, default=4096, help="the engine's max_num_batched_tokens (TRL colocate's 4096)")
     ap.add_argument("--prompt-lengths", type=int, nargs="+", default=[16, 512, 1024, 5000])
+    ap.add_argument("--engines", nargs="+", choices=["alone", "batched"], default=["alone", "batched"],
+                    help="alone: the engine exact mode builds (each prompt prefilled alone and whole, engine.prefill); "
+                         "batched: vLLM's own prefill (prompts of a step in one call, chunked prefill, prefix caching)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     rows, layout = [], None
-    for d in a.head_dims:
-        got, layout = measure(d, a.lengths, a.samples, a.chunk, a.prompt_lengths)
-        rows += got
+    for engine in a.engines:
+        for d in a.head_dims:
+            got, layout = measure(d, a.lengths, a.samples, a.chunk, a.prompt_lengths, prefill_alone=engine == "alone")
+            rows += got
     meta = {
         "cpu": cpu_model(), "kind": cpu_kind(), "threads": torch.get_num_threads(), "vllm": layout.vllm_version,
         "attention_kv_split": layout.attention_kv_split, "gemm_block_rows": layout.gemm_block_rows,
@@ -132,18 +143,21 @@ def main() -> None:
     lines = [
         f"Completion tokens bit-identical to vLLM-CPU's sampler ({meta['cpu']}, {meta['threads']} threads, vLLM "
         f"{meta['vllm']}, decode KV split {'on' if meta['attention_kv_split'] else 'off'}); {a.samples} completions "
-        "per row, EOS ignored. `sampler = prefill`: the engine's prefill of the same tokens (n/a where a sequence "
-        f"is longer than the prefill chunk, {a.chunk}). Prompt horizon: the longest prompt the kernel prefills with "
-        "the same bits in any batch here (measured as the trainer does at start-up).",
+        "per row, EOS ignored. Engine prefill `alone`: the engine exact mode builds, each prompt prefilled in an "
+        "attention call of its own, whole (no chunked prefill, no prefix caching; `engine.prefill`); `batched`: vLLM's "
+        f"own (a step's prompts in one call, chunked prefill with a step budget of {a.chunk} tokens, prefix caching). "
+        "`sampler = prefill`: the engine's prefill of the same tokens (n/a where a sequence is longer than the "
+        "batched engine's step budget). Prompt horizon: the longest prompt the kernel prefills with the same bits in "
+        "any batch here (measured as the trainer does at start-up for an engine that batches its prompts).",
         "",
-        "| head dim | prompt horizon | prompt tokens | completion tokens | sampler = prefill | exact, prefill form | "
-        "exact, decode form (used) |",
-        "|---|---|---|---|---|---|---|",
+        "| engine prefill | head dim | prompt horizon | prompt tokens | completion tokens | sampler = prefill | "
+        "exact, prefill form | exact, decode form (used) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         prompt = f"{r['prompt_tokens']}" + (" (chunked)" if r["prompt_chunked"] else "")
         lines.append(
-            f"| {r['head_dim']} | {r['prompt_horizon'] or 'none'} | {prompt} | {r['completion_tokens']} | "
+            f"| {r['engine_prefill']} | {r['head_dim']} | {r['prompt_horizon'] or 'none'} | {prompt} | {r['completion_tokens']} | "
             f"{pct(r['sampler_vs_prefill'])} | {pct(r['exact_prefill_form'])} | {pct(r['exact_decode_form'])} |"
         )
     write_table(a.out or ROOT / "docs" / "results" / cpu_kind(), "sampler_by_length", "scripts/sampler_by_length.py",

@@ -73,3 +73,30 @@ def test_a_long_prompt_is_prefilled_as_alone_beside_others():
     assert differ[True] == [0, 0, 0], differ
     if False in differ:
         assert any(differ[False]), differ
+
+
+@pytest.mark.vllm
+def test_the_trainer_computes_each_prompt_as_its_lone_prefill():
+    """The trainer's kernel calls follow the engine's grouping: a forward of several sequences (prompts past one key
+    tile, and completion tokens in decode form) gives each sequence the bits of its own call, whatever its company."""
+    pytest.importorskip("vllm")
+    from trl_roundalign.ops.attention import vllm_cpu_attention_forward
+    from trl_roundalign.trainer.startup_check import prefill_batch_invariant_tokens
+
+    gen = torch.Generator().manual_seed(1)
+    lens, prompts = [1100, 700, 900], [1000, 700, 850]
+    q = (torch.randn(sum(lens), 4, 128, generator=gen) * 2).to(torch.bfloat16)
+    k, v = (torch.randn(sum(lens), 2, 128, generator=gen).to(torch.bfloat16) for _ in range(2))
+    together = vllm_cpu_attention_forward(q, k, v, scale=128**-0.5, seq_lens=lens, decode_from=prompts, kv_split=False)
+    start = 0
+    for n, p in zip(lens, prompts):
+        s = slice(start, start + n)
+        alone = vllm_cpu_attention_forward(q[s], k[s], v[s], scale=128**-0.5, seq_lens=[n], decode_from=[p],
+                                           kv_split=False)
+        assert torch.equal(together[s], alone), (n, p)
+        start += n
+    horizon = prefill_batch_invariant_tokens(128, 4, 2, limit=1024)
+    if horizon is not None and horizon < 700:  # here one call for all would have given other bits
+        one_call = vllm_cpu_attention_forward(q, k, v, scale=128**-0.5, seq_lens=lens, decode_from=prompts,
+                                              kv_split=False, prefill_alone=False)
+        assert not torch.equal(one_call, together)
