@@ -35,11 +35,12 @@ is therefore the engine's, bit for bit, when the call sees what the engine saw:
 computed. Each generated token's logits came from a decode step, one query over the paged cache of its prefix,
 which the kernel tiles over the keys otherwise than a prefill once the prefix is longer than one key tile (a few
 hundred tokens at head dim 128), and whose keys the schedule may split over threads where a step's work is uneven
-(`VLLM_CPU_ATTN_SPLIT_KV`, on by default: then a token's bits depend on what else was decoding). In decode form one
-kernel call computes each sequence's prompt as one prefill request and every later token as its own one-query
-request with the sequence's blocks, the keys on one thread (`kv_split=False`): bit for bit the engine's decode
-steps when the engine runs with the split off (the project's engines do; `engine.build.keep_decode_keys_on_one_thread`),
-whatever the batch and at any length.
+(`VLLM_CPU_ATTN_SPLIT_KV`, on by default: then a token's bits depend on what else was decoding). In decode form each
+sequence's prompt is one prefill request and every later token its own one-query request with the sequence's blocks,
+the keys on one thread (`kv_split=False`): bit for bit the engine's decode steps when the engine runs with the split
+off (the project's engines do; `engine.build.keep_decode_keys_on_one_thread`), whatever the batch and at any length.
+Each prefill request is computed in a kernel call of its own, as an engine that prefills each prompt alone does
+(`engine.prefill`, exact mode's engine): a prompt's bits then do not depend on the other sequences.
 
 Backward (`VllmCpuAttention`): the standard causal softmax attention gradient, recomputed in fp32
 from the saved bf16 `q`, `k`, `v` (grouped-query aware: the gradients of the query heads that share
