@@ -8,6 +8,7 @@ CausalLM `forward` alone (TRL swaps that for its fused log-prob head), and is re
 
 from __future__ import annotations
 
+import inspect
 import logging
 import types
 from collections.abc import Sequence
@@ -149,7 +150,10 @@ def restore_fp32_rope_frequencies(model: torch.nn.Module) -> int:
             if init is None:
                 continue
             kwargs = {"layer_type": layer_type} if layer_type is not None else {}
-            fresh, _ = init(config, inv.device, **kwargs)
+            # transformers 5.19 drops `device` from the per-model `compute_default_rope_parameters` (5.17 takes it).
+            takes_device = "device" in inspect.signature(init).parameters
+            fresh, _ = init(config, inv.device, **kwargs) if takes_device else init(config, **kwargs)
+            fresh = fresh.to(inv.device)
             module.register_buffer(f"{prefix}inv_freq", fresh.float(), persistent=False)
             if isinstance(getattr(module, f"{prefix}original_inv_freq", None), torch.Tensor):
                 module.register_buffer(f"{prefix}original_inv_freq", fresh.float().clone(), persistent=False)
