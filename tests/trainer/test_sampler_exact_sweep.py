@@ -42,17 +42,19 @@ def prompts(n: int):
     return Dataset.from_dict({"prompt": [f"Question {i}: add {i} and {2 * i + 1}." for i in range(n)]})
 
 
-def run(tmp_path, *, prompts_per_step, completions, stop, seed, length, steps=2, model=None, ignore_eos=False):
+def run(tmp_path, *, prompts_per_step, completions, stop, seed, length, steps=2, model=None, ignore_eos=False,
+        dataset=None, context=None):
     generation = {"stop_token_ids": STOP} if stop else {}
     if ignore_eos:
         generation["ignore_eos"] = True  # vLLM runs every completion to the limit; TRL keeps each token it returns
     args = make_config(
         tmp_path, roundalign_regions=EXACT, max_steps=steps, per_device_train_batch_size=prompts_per_step * completions,
-        num_generations=completions, max_completion_length=length, vllm_max_model_length=length + 128,
+        num_generations=completions, max_completion_length=length, vllm_max_model_length=context or length + 128,
         learning_rate=1e-5, seed=seed, generation_kwargs=generation or None,
     )
     trainer = RoundAlignGRPOTrainer(
-        model=str(model or head_dim_128_qwen3()), reward_funcs=varied_reward, args=args, train_dataset=prompts(64),
+        model=str(model or head_dim_128_qwen3()), reward_funcs=varied_reward, args=args,
+        train_dataset=prompts(64) if dataset is None else dataset,
     )
     try:
         trainer.train()
@@ -116,20 +118,8 @@ def test_every_completion_token_is_the_samplers_after_long_prompts(tmp_path):
     prefill depended on the other prompts of the step and on the prefix cache's hits (the horizon measured here was
     544 tokens; 0.3-7.8% of the completion tokens after a 1,024-token prompt were the sampler's), and the trainer only
     warned. The engine's layout says it prefills each prompt alone, whole (no chunking, no prefix caching)."""
-    args = make_config(
-        tmp_path, roundalign_regions=EXACT, max_steps=1, per_device_train_batch_size=4, num_generations=2,
-        max_completion_length=48, vllm_max_model_length=1536, learning_rate=1e-5, seed=6,
-        generation_kwargs={"stop_token_ids": STOP},
-    )
-    trainer = RoundAlignGRPOTrainer(
-        model=str(head_dim_128_qwen3()), reward_funcs=varied_reward, args=args, train_dataset=long_prompts([700, 1100]),
-    )
-    try:
-        trainer.train()
-        layout = trainer.roundalign_layout
-    finally:
-        trainer.close()
-    logs = [h for h in trainer.state.log_history if "mismatch/kl_k3" in h]
+    layout, logs = run(tmp_path, prompts_per_step=2, completions=2, stop=True, seed=6, length=48, steps=1,
+                       dataset=long_prompts([700, 1100]), context=1536)
     eq = [h["mismatch/frac_bitwise_equal"] for h in logs]
     k3 = [h["mismatch/kl_k3"] for h in logs]
     print(f"bit-identical {eq}, k3 {k3}, layout {layout.attention_prefill_alone, layout.chunked_prefill, layout.prefix_caching}")
