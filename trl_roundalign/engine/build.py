@@ -223,14 +223,9 @@ def build_llm(
     if max_model_len is not None:
         llm_kwargs["max_model_len"] = max_model_len
     if prefill_alone:
-        from transformers import AutoConfig
+        from .prefill import prefill_alone_engine_kwargs
 
-        from .prefill import install_prefill_alone, model_context_length, prefill_alone_options
-
-        install_prefill_alone()
-        context = max_model_len or model_context_length(AutoConfig.from_pretrained(str(model)))
-        llm_kwargs.update(prefill_alone_options(context, additional_config=llm_kwargs.get("additional_config"),
-                                                max_num_batched_tokens=llm_kwargs.get("max_num_batched_tokens")))
+        prefill_alone_engine_kwargs(llm_kwargs, max_model_len, str(model))  # the trainer's colocated engine's way
     rows = None
     if weight_sync_fix and is_vllm_cpu() and gemm_block_rows is not None:
         rows = _decide_engine_schedule(model, gemm_block_rows, llm_kwargs.get("max_num_batched_tokens"),
