@@ -66,13 +66,13 @@ class GpuRefusal:
 
 
 GPU_REFUSALS: tuple[GpuRefusal, ...] = (
-    # The pins: the dry-run of `.[vllm]` beside it resolves in no form (docs/results/gpu/resolve-vllm-0.34.txt). The
+    # The dry-run of `.[vllm]` beside it does not resolve (docs/results/gpu/resolve-vllm-0.34.txt): flashinfer-python. The
     # reading (docs/stack.md, "vLLM 0.34"): the compile defaults and the regions' native code as in 0.33; on compute
     # capability 12.1 only, planned bf16 linear shapes run a CuTe DSL skinny GEMM instead of cuBLAS at 1, 2, 4 tokens.
     GpuRefusal("vllm", "0.34", "vllm 0.34.0", "PyPI wheel vllm-0.34.0-cp38-abi3-manylinux_2_28_x86_64 "
                "(commit g62d4bc3c7)",
-               "it cannot install beside this package's pins (it requires huggingface_hub>=2.0, the pinned transformers "
-               "5.17 requires <2.0; its flashinfer-python==0.7.3 is not on PyPI)"),
+               "it cannot install: it requires flashinfer-python==0.7.3, which PyPI does not have (0.7.2.post1 and 0.7.4 "
+               "it has); its huggingface_hub>=2.0 resolves since transformers 5.19 is admitted"),
 )
 
 
