@@ -108,8 +108,8 @@ def test_read_cuda_stack_gets_the_compiled_profiles():
         ({"platform": "cpu"}, "vLLM version is 0.33.0"),  # vLLM-CPU 0.33 was never measured
         ({"platform": "cpu", "vllm_version": "0.31.0"}, "torch is 2.14.0"),
         # read and refused on CUDA (the reason in the line); on the CPU and beyond 0.34 only the lists, no reason
-        ({"vllm_version": "0.34.0"}, "0.34 read from sources for CUDA and refused: it cannot install beside this "
-         "package's pins (it requires huggingface_hub>=2.0"),
+        ({"vllm_version": "0.34.0"}, "0.34 read from sources for CUDA and refused: it cannot install: it requires "
+         "flashinfer-python==0.7.3, which PyPI does not have"),
         ({"platform": "cpu", "vllm_version": "0.34.0"}, f"vLLM version is 0.34.0 (measured: {', '.join(KNOWN_VLLM)})"),
         ({"vllm_version": "0.35.0"}, f"vLLM version is 0.35.0 (measured: {', '.join(KNOWN_VLLM)}; read from sources "
          f"for CUDA, not run: {', '.join(gpu_read_versions('vllm', 'cuda'))})"),

@@ -71,8 +71,7 @@ GPU_REFUSALS: tuple[GpuRefusal, ...] = (
     # capability 12.1 only, planned bf16 linear shapes run a CuTe DSL skinny GEMM instead of cuBLAS at 1, 2, 4 tokens.
     GpuRefusal("vllm", "0.34", "vllm 0.34.0", "PyPI wheel vllm-0.34.0-cp38-abi3-manylinux_2_28_x86_64 "
                "(commit g62d4bc3c7)",
-               "it cannot install: it requires flashinfer-python==0.7.3, which PyPI does not have (0.7.2.post1 and 0.7.4 "
-               "it has); its huggingface_hub>=2.0 resolves since transformers 5.19 is admitted"),
+               "it cannot install: it requires flashinfer-python==0.7.3, which PyPI does not have"),
 )
 
 
