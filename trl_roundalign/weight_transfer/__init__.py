@@ -81,6 +81,9 @@ MODEL_CLASSES = {"Qwen3_5ForCausalLM": "trl_roundalign.engine.qwen3_5_text:Qwen3
 
 
 def _register_models() -> None:
+    """Point vLLM's registry at the package's classes. Imports vLLM's model registry (no model module: the entries are
+    lazy `module:Class` strings), which every engine process imports right after the plugins, to resolve its
+    architecture. Registering again changes nothing."""
     try:
         from vllm import ModelRegistry
     except ImportError:  # no vLLM: nothing to register into
