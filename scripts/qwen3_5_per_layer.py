@@ -136,7 +136,7 @@ def local_errors(hf, caps, n_layers: int) -> dict:
                     got = {}
                     hs = [getattr(gdn, k).register_forward_hook(lambda m, inp, out, _v=v: _v[None])
                           for k, v in inject.items()]
-                    hs.append(gdn.norm.register_forward_hook(lambda m, inp, out: got.update(core=inp[0], gate=inp[1])))
+                    hs.append(gdn.norm.register_forward_hook(lambda m, inp, out, _g=got: _g.update(core=inp[0], gate=inp[1])))
                     try:
                         gdn(x[None])
                     finally:

@@ -139,10 +139,11 @@ def test_prompt_logprobs_against_transformers_default_bf16():
     The bounds are the measured default mismatch with headroom (docs/families.md, Qwen3.5); a class that loaded the
     flat GDN projections into the wrong shards, or an unpacked conv weight, is orders of magnitude off.
     """
+    from transformers import AutoModelForCausalLM
+
     from trl_roundalign.analysis.compare import completion_matrix, run_engine
     from trl_roundalign.metrics import token_stats
     from trl_roundalign.scoring import hf_logprobs
-    from transformers import AutoModelForCausalLM
 
     run = run_engine(engine(False), num_prompts=4, samples_per_prompt=2, max_new_tokens=48, seed=0, floors=False)
     model = AutoModelForCausalLM.from_pretrained(str(tiny_qwen3_5()), dtype=torch.bfloat16).eval()
