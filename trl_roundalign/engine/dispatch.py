@@ -67,7 +67,16 @@ def is_vllm_cpu() -> bool:
 
 def _live_weight_dispatch(layer: torch.nn.Module, remove_weight: bool) -> None:
     """Replacement for vLLM-CPU's GEMM dispatcher: keep the weight, compute `F.linear` on it, under the GEMM schedule
-    of `trl_roundalign.engine.gemm` this process hands its engine (`gemm.engine_schedule`: row blocks or a row floor)."""
+    of `trl_roundalign.engine.gemm` this process hands its engine (`gemm.engine_schedule`: row blocks or a row floor).
+
+    Weights that are not 2-D are not linears (a gated delta-net's causal-conv weight `[dim, 1, width]`, 3-D MoE
+    experts): they go to vLLM's dispatcher, which on an AVX-512-BF16 CPU prepacks the conv weight for its C++
+    causal_conv1d kernel. Left unpacked, that kernel reads the plain weight as packed and Qwen3.5's linear-attention
+    layers compute garbage (measured on the tiny Qwen3.5: prompt log-probs off by up to 4.3 nats, docs/families.md).
+    """
+    if layer.weight.ndim != 2:
+        vllm_dispatch()(layer, remove_weight)
+        return
     from .gemm import engine_schedule, linear
 
     schedule = engine_schedule()

