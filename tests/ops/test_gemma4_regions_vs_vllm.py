@@ -13,7 +13,7 @@ import types
 import pytest
 import torch
 from helpers.bitwise import assert_bitwise_equal
-from test_reference_vs_vllm import compiled, gen, reduction_lanes_of, weight
+from test_reference_vs_vllm import compiled, gen, reduction_lanes_of, vllm_rms_norm, weight
 from torch._inductor.utils import run_and_get_code
 
 from trl_roundalign import ops
@@ -24,15 +24,24 @@ ROWS = 256
 EPS = 1e-6
 
 
-def _vllm_norm(n: int, w: torch.Tensor | None):
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.model_executor.layers.layernorm import RMSNorm
+class _VllmNorm:
+    """vLLM's `RMSNorm` as the engine runs it: `forward_native` with its IR op's native implementation inlined
+    (`ir_op_priority` native on CPU; `vllm.ir.ops.rms_norm`, which rounds x̂ to the weight's dtype, then multiplies)."""
 
-    with set_current_vllm_config(VllmConfig()):
-        norm = RMSNorm(n, eps=EPS, has_weight=w is not None, dtype=torch.bfloat16)
-    if w is not None:
-        norm.weight.data = w.clone()
-    return norm
+    def __init__(self, w: torch.Tensor | None):
+        from vllm.model_executor.layers.layernorm import RMSNorm
+
+        assert "ir.ops.rms_norm" in __import__("inspect").getsource(RMSNorm.forward_native)
+        self.w = w
+
+    def __call__(self, x):
+        return vllm_rms_norm(x, self.w, EPS)
+
+    forward_native = __call__
+
+
+def _vllm_norm(n: int, w: torch.Tensor | None) -> _VllmNorm:
+    return _VllmNorm(w)
 
 
 def _hf_norm(n: int, w: torch.Tensor | None):
