@@ -14,7 +14,10 @@ one-graph CPU engine (docs/numerics.md, "Gemma 4"), with `r` rounding to bf16 an
     h'     = (f(t) + x̂(proj(p)) w_ple) f(ls)         not rounded; the next norm's statistic reads it
 
 The stream starts as the embedding product `f(e) f(r(sqrt(hidden)))`, unrounded (the first input norm's statistic
-reads it, the rest reads its bf16 store); the final norm reads the last layer's unrounded `h'`. The per-layer inputs
+reads it, the rest reads its bf16 store); where the engine's linears are opaque ops (a row floor or row blocks,
+`engine.gemm`), Inductor recomputes that product instead of storing it: layer 0's input norm and residual read it
+unrounded, and the post-attention sum `s` is stored instead (`r(s)` feeds the pre-feedforward norm's numerator and
+the next add). The final norm reads the last layer's unrounded `h'`. The per-layer inputs
 are `r(((f(P) f(r(hidden^-1/2))) x̂ w + f(E)) f(r(2^-1/2)))` (`ops.gemma4_per_layer_inputs`). transformers rounds
 every one of those values, multiplies by Python-float scales and computes the statistic with `pow(., -0.5)`.
 
@@ -32,6 +35,7 @@ import types
 import torch
 
 from .. import ops
+from ..engine.gemm import module_schedule
 from .decoder import _as_forward_of, _state, attention_core
 from .gemma3 import gemma3_embed_forward, gemma3_mlp_forward
 from .spec import ArchSpec, register_arch, require_attrs
@@ -145,11 +149,19 @@ def gemma4_decoder_layer_forward(
         return hidden_states
 
     h = hidden_states
-    stored = h.to(dtype) if h.dtype == torch.float32 else h
-    normed = _norm(self.input_layernorm, h, st, "input_layernorm", round_numerator=h.dtype == torch.float32)
+    unrounded = h.dtype == torch.float32
+    # Layer 0 under an engine whose linears are opaque ops (a row floor or row blocks, `engine.gemm`): Inductor
+    # recomputes the embedding product instead of storing it, so the first norm and the residual read it unrounded,
+    # and it stores the post-attention sum instead (the pre-feedforward norm normalises that store).
+    opaque = unrounded and self.self_attn.layer_idx == 0 and not module_schedule(self.self_attn.q_proj).plain
+    stored = h.to(dtype) if unrounded else h
+    normed = _norm(self.input_layernorm, h, st, "input_layernorm", round_numerator=unrounded and not opaque)
     a, _ = self.self_attn(hidden_states=normed, **attn_kwargs)
-    s = stored.float() + _norm(self.post_attention_layernorm, a, st, "post_attention_layernorm", keep_fp32=True)
-    m = self.mlp(_norm(self.pre_feedforward_layernorm, s, st, "pre_feedforward_layernorm"))
+    s = (h if opaque else stored.float()) + _norm(
+        self.post_attention_layernorm, a, st, "post_attention_layernorm", keep_fp32=True)
+    m = self.mlp(_norm(self.pre_feedforward_layernorm, s, st, "pre_feedforward_layernorm", round_numerator=opaque))
+    if opaque:
+        s = s.to(dtype).float()
     s = s + _norm(self.post_feedforward_layernorm, m, st, "post_feedforward_layernorm", keep_fp32=True)
     t = s.to(dtype)
     p = self.per_layer_projection(_ple_gate(self, t, per_layer_input, st))
