@@ -26,6 +26,7 @@ __all__ = [
     "VLLM_CPU_HEAD_DIMS",
     "build_tiny_model",
     "cache_root",
+    "peaked_gemma4",
     "peaked_olmo2",
     "peaked_qwen3",
     "peaked_qwen3_moe",
@@ -332,6 +333,16 @@ def peaked_olmo2(seed: int = 0) -> Path:
     return tiny_model("olmo2", seed=seed, **PEAKED_OLMO2)
 
 
+PEAKED_GEMMA4 = {"tie_word_embeddings": False, "initializer_range": 0.05}
+
+
+def peaked_gemma4(seed: int = 0) -> Path:
+    """`tiny-gemma4` (E2B's widths, two layers) with an untied output head and init std 0.05. The tied tiny model is
+    nearly deterministic (its embedding, scaled by sqrt(2304), makes the sampled token's probability about 1, so every
+    completion repeats one token and k3 is about 1e-11); this one samples tokens around -2.4 nats, as `peaked_qwen3`."""
+    return tiny_model("gemma4", seed=seed, **PEAKED_GEMMA4)
+
+
 @contextlib.contextmanager
 def _locked(target: Path):
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -458,7 +469,8 @@ def tiny_phi3_longrope(seed: int = 0) -> Path:
 
 OFFLINE_MODEL_NAMES = (
     "smollm2-135m", "tiny-qwen2", "tiny-qwen3", "tiny-llama", "tiny-phi3", "tiny-gemma3", "tiny-qwen3_moe",
-    "tiny-olmo2", "peaked-qwen3", "peaked-qwen3-moe", "peaked-olmo2", "tiny-phi3-longrope",
+    "tiny-olmo2", "peaked-qwen3", "peaked-qwen3-moe", "peaked-olmo2", "tiny-phi3-longrope", "tiny-gemma4",
+    "peaked-gemma4",
 )
 
 
@@ -466,7 +478,7 @@ def resolve_model(name: str | os.PathLike) -> str:
     """Map an offline model name to its checkpoint folder; pass other names and paths through.
 
     `smollm2-135m`, `tiny-<arch>` (each of `SUPPORTED_TINY_ARCHS`), `peaked-qwen3`, `peaked-qwen3-moe`,
-    `peaked-olmo2` and `tiny-phi3-longrope` are built offline
+    `peaked-olmo2`, `peaked-gemma4` and `tiny-phi3-longrope` are built offline
     (cached); an existing folder is returned as is; a hub id (`org/name`) passes through when it is in
     the hub cache or the hub is online.
 
@@ -483,6 +495,8 @@ def resolve_model(name: str | os.PathLike) -> str:
         return str(peaked_qwen3())
     if s == "peaked-olmo2":
         return str(peaked_olmo2())
+    if s == "peaked-gemma4":
+        return str(peaked_gemma4())
     if s == "tiny-phi3-longrope":
         return str(tiny_phi3_longrope())
     if s.startswith("tiny-") and s[5:] in SUPPORTED_TINY_ARCHS:

@@ -127,7 +127,6 @@ def test_gemma4_qk_norm_rope(layer_type, head_dim):
 def test_gemma4_per_layer_inputs():
     """vLLM's `Gemma4SelfDecoderLayers.project_per_layer_inputs` (the projection given, its three scales as the bf16
     model holds them) against `ops.gemma4_per_layer_inputs`; transformers' `project_per_layer_inputs` for `none`."""
-    from transformers import Gemma4TextConfig
     from transformers.models.gemma4.modeling_gemma4 import Gemma4TextModel
     from vllm.model_executor.models.gemma4 import Gemma4SelfDecoderLayers
 

@@ -12,7 +12,7 @@ from helpers.trainer import make_config, varied_reward
 
 from trl_roundalign import RoundAlignGRPOTrainer, get_patch_report
 from trl_roundalign.data import arithmetic_dataset
-from trl_roundalign.local_models import tiny_model
+from trl_roundalign.local_models import peaked_gemma4, tiny_model
 from trl_roundalign.metrics import METRIC_KEYS
 
 pytestmark = pytest.mark.vllm
@@ -59,8 +59,10 @@ def trained(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"grpo-{request.param}")
     args = make_config(out)
     watcher = PatchWatcher()
+    # Gemma 4: the peaked model; the tied tiny one samples one token over and over (equal rewards, no update).
+    model = peaked_gemma4() if request.param == "gemma4" else tiny_model(request.param)
     trainer = RoundAlignGRPOTrainer(
-        model=str(tiny_model(request.param)),
+        model=str(model),
         reward_funcs=varied_reward,
         args=args,
         train_dataset=arithmetic_dataset("train[:48]"),
