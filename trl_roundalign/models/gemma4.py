@@ -14,8 +14,8 @@ one-graph CPU engine (docs/numerics.md, "Gemma 4"), with `r` rounding to bf16 an
     h'     = (f(t) + x̂(proj(p)) w_ple) f(ls)         not rounded; the next norm's statistic reads it
 
 The stream starts as the embedding product `f(e) f(r(sqrt(hidden)))`, unrounded (the first input norm's statistic
-reads it, the rest reads its bf16 store); for a model with tied embeddings under an engine whose linears are opaque
-ops (a row floor or row blocks, `engine.gemm`), Inductor recomputes that product instead of storing it: layer 0's input norm and residual read it
+reads it, the rest reads its bf16 store); under an engine whose linears are opaque ops (a row floor or row blocks,
+`engine.gemm`), Inductor (in 4 of 5 engines read) recomputes that product instead of storing it: layer 0's input norm and residual read it
 unrounded, and the post-attention sum `s` is stored instead (`r(s)` feeds the pre-feedforward norm's numerator and
 the next add). The final norm reads the last layer's unrounded `h'`. The per-layer inputs
 are `r(((f(P) f(r(hidden^-1/2))) x̂ w + f(E)) f(r(2^-1/2)))` (`ops.gemma4_per_layer_inputs`). transformers rounds
@@ -150,13 +150,12 @@ def gemma4_decoder_layer_forward(
 
     h = hidden_states
     unrounded = h.dtype == torch.float32
-    # Layer 0 of a model with tied embeddings under an engine whose linears are opaque ops (a row floor or row blocks,
-    # `engine.gemm`): Inductor recomputes the embedding product instead of storing it, so the first norm and the
-    # residual read it unrounded, and it stores the post-attention sum instead (the pre-feedforward norm normalises
-    # that store). Read from four engines (tied/untied x plain/row floor, docs/numerics.md "Gemma 4"): only the tied
-    # model under the row floor takes this form; why Inductor's scheduler decides so was not found.
-    opaque = (unrounded and self.self_attn.layer_idx == 0 and bool(getattr(self.config, "tie_word_embeddings", False))
-              and not module_schedule(self.self_attn.q_proj).plain)
+    # Layer 0 under an engine whose linears are opaque ops (a row floor or row blocks, `engine.gemm`): Inductor
+    # recomputed the embedding product instead of storing it in 4 of the 5 such engines read (docs/numerics.md,
+    # "Gemma 4"), so the first norm and the residual read it unrounded, and it stores the post-attention sum instead
+    # (the pre-feedforward norm normalises that store). The fifth (untied head, max_model_len 1024, each prompt
+    # prefilled alone) kept the plain engine's form: the choice is Inductor's, not read from the engine here.
+    opaque = unrounded and self.self_attn.layer_idx == 0 and not module_schedule(self.self_attn.q_proj).plain
     stored = h.to(dtype) if unrounded else h
     normed = _norm(self.input_layernorm, h, st, "input_layernorm", round_numerator=unrounded and not opaque)
     a, _ = self.self_attn(hidden_states=normed, **attn_kwargs)
