@@ -242,9 +242,11 @@ def apply_roundalign(
         positions_from_mask = bool(regions)
     # Decided (and refused) before anything is installed.
     engine_rope = spec.engine_rope(backbone, engine_max_model_len) if "rope" in regions and spec.engine_rope else None
+    # Read from the engine's code with the lanes (`engine.lanes.EngineLanes`), where the family's forward needs it.
+    embedding_kernels = getattr(reduction_lanes, "embedding_kernels", None)
     lanes_tuple = tuple(reduction_lanes) if reduction_lanes is not None else None
     key = (regions, prof.name, backend, lanes_tuple, positions_from_mask, attention_block_size,
-           engine_max_model_len if engine_rope is not None else None)
+           engine_max_model_len if engine_rope is not None else None, embedding_kernels)
     current = backbone.__dict__.get(_REPORT_ATTR)
     if current is not None:
         if current.key == key:
@@ -282,7 +284,10 @@ def apply_roundalign(
     installed: list[torch.nn.Module] = []
 
     def state(lanes: dict | None = None) -> LayerState:
-        return LayerState(regions, prof, backend, lanes or {}, attention_block_size=attention_block_size)
+        st = LayerState(regions, prof, backend, lanes or {}, attention_block_size=attention_block_size)
+        if embedding_kernels is not None:
+            st.originals["engine_embedding_kernels"] = embedding_kernels
+        return st
 
     for i, layer in enumerate(layers):
         p = f"model.layers.{i}"

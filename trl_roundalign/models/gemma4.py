@@ -150,12 +150,15 @@ def gemma4_decoder_layer_forward(
 
     h = hidden_states
     unrounded = h.dtype == torch.float32
-    # Layer 0 under an engine whose linears are opaque ops (a row floor or row blocks, `engine.gemm`): Inductor
-    # recomputed the embedding product instead of storing it in 4 of the 5 such engines read (docs/numerics.md,
-    # "Gemma 4"), so the first norm and the residual read it unrounded, and it stores the post-attention sum instead
-    # (the pre-feedforward norm normalises that store). The fifth (untied head, max_model_len 1024, each prompt
-    # prefilled alone) kept the plain engine's form: the choice is Inductor's, not read from the engine here.
-    opaque = unrounded and self.self_attn.layer_idx == 0 and not module_schedule(self.self_attn.q_proj).plain
+    # Layer 0: where Inductor recomputes the embedding product instead of storing it, the first norm and the residual
+    # read it unrounded, and it stores the post-attention sum instead (the pre-feedforward norm normalises that store).
+    # Read from the engine's code with the lanes (two embedding kernels: `engine.lanes.EngineLanes`) where given (the
+    # exact profile); otherwise from the schedule of this layer's linears: Inductor recomputed it in 5 of the 6
+    # row-floor engines read and in none of the plain ones (docs/numerics.md, "Gemma 4").
+    opaque = False
+    if unrounded and self.self_attn.layer_idx == 0:
+        read = st.originals.get("engine_embedding_kernels")
+        opaque = read >= 2 if read is not None else not module_schedule(self.self_attn.q_proj).plain
     stored = h.to(dtype) if unrounded else h
     normed = _norm(self.input_layernorm, h, st, "input_layernorm", round_numerator=unrounded and not opaque)
     a, _ = self.self_attn(hidden_states=normed, **attn_kwargs)
