@@ -13,8 +13,9 @@ sequences under each condition, with the profile `profile_for_engine` derives. C
 Two engines: the GEMM schedule `build_llm` picks on this machine ("auto": a row floor on the AMD AVX-512 kind, row
 blocks on Intel AMX, plain where plain GEMMs are batch-invariant), and plain GEMMs (`gemm_block_rows=0`). For this
 tied-embedding model they round layer 0 differently: with the linears as opaque ops Inductor recomputes the embedding
-product instead of storing it (docs/numerics.md, "Gemma 4"); each is reproduced. (`peaked-gemma4`, untied, gets the
-plain form under both: `scripts/gemma4_regions.py`.) Both engines prefill each prompt alone, as exact mode's engine
+product instead of storing it (docs/numerics.md, "Gemma 4"); each is reproduced. (`peaked-gemma4` under the row floor keeps
+the plain form when its prompts are prefilled alone; the exact profile reads the form from the engine's code:
+`scripts/gemma4_regions.py`.) Both engines prefill each prompt alone, as exact mode's engine
 does. `make test` runs the first, `make test-full` adds the second.
 """
 

@@ -14,8 +14,9 @@ one-graph CPU engine (docs/numerics.md, "Gemma 4"), with `r` rounding to bf16 an
     h'     = (f(t) + x̂(proj(p)) w_ple) f(ls)         not rounded; the next norm's statistic reads it
 
 The stream starts as the embedding product `f(e) f(r(sqrt(hidden)))`, unrounded (the first input norm's statistic
-reads it, the rest reads its bf16 store); under an engine whose linears are opaque ops (a row floor or row blocks,
-`engine.gemm`), Inductor (in 4 of 5 engines read) recomputes that product instead of storing it: layer 0's input norm and residual read it
+reads it, the rest reads its bf16 store); where Inductor recomputes that product instead of storing it (5 of the
+6 engines read whose linears are opaque row-floor ops, `engine.gemm`; none with plain GEMMs; the exact profile reads
+which from the engine's code, `engine.lanes.EngineLanes`): layer 0's input norm and residual read it
 unrounded, and the post-attention sum `s` is stored instead (`r(s)` feeds the pre-feedforward norm's numerator and
 the next add). The final norm reads the last layer's unrounded `h'`. The per-layer inputs
 are `r(((f(P) f(r(hidden^-1/2))) x̂ w + f(E)) f(r(2^-1/2)))` (`ops.gemma4_per_layer_inputs`). transformers rounds
