@@ -24,7 +24,7 @@ def test_tiny_model_builds_reloads_and_generates(arch, tmp_path):
     again = build_tiny_model(arch, tmp_path / f"{arch}-again", seed=3, num_hidden_layers=3, intermediate_size=200)
     model = AutoModelForCausalLM.from_pretrained(path)
     tok = AutoTokenizer.from_pretrained(path)
-    assert model.dtype == torch.bfloat16 and model.config.model_type == {"gemma3": "gemma3_text"}.get(arch, arch)
+    assert model.dtype == torch.bfloat16 and model.config.model_type == {"gemma3": "gemma3_text", "gemma4": "gemma4_text"}.get(arch, arch)
     assert model.config.intermediate_size == 200 and model.config.num_hidden_layers == 3
     twin = AutoModelForCausalLM.from_pretrained(again)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), twin.state_dict().values()))

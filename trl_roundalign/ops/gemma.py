@@ -44,25 +44,27 @@ _check = check_half_or_stream
 
 
 class _GemmaNormRef(torch.autograd.Function):
-    """`x̂ (f(w) + 1)` in fp32; rounded to `w`'s dtype unless `keep_fp32`. With `round_numerator` (an fp32 `x`), the
-    statistic is of `x` and the normalised values are `f(r(x))` (the piecewise engine's first layer); the backward
-    then treats that rounding as the identity."""
+    """`x̂ (f(w) + offset)` in fp32 (`offset` 1 for Gemma 3, 0 for Gemma 4's `x̂ w`); rounded to `w`'s dtype unless
+    `keep_fp32`. With `round_numerator` (an fp32 `x`), the statistic is of `x` and the normalised values are `f(r(x))`
+    (the piecewise engine's first layer); the backward then treats that rounding as the identity."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps, lanes, keep_fp32, round_numerator=False):
-        w1 = weight.float() + 1.0
+    def forward(ctx, x, weight, eps, lanes, keep_fp32, round_numerator=False, offset=1.0):
+        w1 = weight.float() + offset if offset else weight.float()
         xf = x.float()
         rstd = rms_rstd(xf, eps, lanes)
         num = xf.to(weight.dtype).float() if round_numerator else xf
         y = (num * rstd) * w1
         ctx.save_for_backward(x, weight, rstd)
+        ctx.offset = offset
         return y if keep_fp32 else y.to(weight.dtype)
 
     @staticmethod
     def backward(ctx, dy):
         x, weight, rstd = ctx.saved_tensors
-        dx, dw = norm_backward_fp32(dy.float(), x.float(), weight.float() + 1.0, rstd)
-        return dx.to(x.dtype), dw.to(weight.dtype), None, None, None, None
+        w1 = weight.float() + ctx.offset if ctx.offset else weight.float()
+        dx, dw = norm_backward_fp32(dy.float(), x.float(), w1, rstd)
+        return dx.to(x.dtype), dw.to(weight.dtype), None, None, None, None, None
 
 
 def _hf_gemma_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
