@@ -57,8 +57,10 @@ _GEMM_MARKERS = ("extern_kernels.mm(", "extern_kernels.addmm(", "torch.ops._C.",
 def _inductor_modules(inductor_dir: str | os.PathLike) -> list[str]:
     """The engine's generated model modules under its Inductor folder: C++ code with a norm (`rsqrt`) and a GEMM or a
     vLLM op. The GEMM excludes what other `torch.compile` calls of the same process wrote there while the folder was
-    the current one (a probe's compiled regions: elementwise code only)."""
-    files = glob.glob(os.path.join(str(inductor_dir), "**", "*.py"), recursive=True)
+    the current one (a probe's compiled regions: elementwise code only). Oldest first: a folder an engine recompiled
+    into holds the modules of every compile, and the engine runs the last one (Inductor's fusion choices can differ
+    between two compiles of the same graph: Gemma 4's layer 0, docs/numerics.md)."""
+    files = sorted(glob.glob(os.path.join(str(inductor_dir), "**", "*.py"), recursive=True), key=os.path.getmtime)
     out = []
     for f in files:
         text = Path(f).read_text(errors="ignore")
@@ -110,7 +112,7 @@ def inductor_reduction_lanes(llm_or_cache_dir, *, num_layers: int | None = None)
     machine's vector width. For the decoder models we patch each reduction is one RMSNorm (input norm,
     Qwen3's q/k norms, post-attention norm, ..., final norm), in the order the forward runs them.
 
-    - One-graph engine (vLLM-CPU default): the model is the largest generated module.
+    - One-graph engine (vLLM-CPU default): the model is the newest generated module (the last compile's).
     - Piecewise engine (graph split at attention): one module per piece; the first piece holds the
       embedding, the last holds no RoPE, and the middle pieces (one per layer boundary) share one
       generated module, which is repeated `num_layers - 1` times. Middle modules that differ raise.
@@ -136,7 +138,7 @@ def inductor_reduction_lanes(llm_or_cache_dir, *, num_layers: int | None = None)
         )
     piecewise = info.piecewise if info is not None else len(modules) > 1 and num_layers is not None
     if not piecewise:
-        src = max(modules, key=len)
+        src = modules[-1]  # the last compile's (the model's graph: one module per compile)
         return EngineLanes(_module_lanes(src, vector_floats), embedding_kernels=_embedding_kernels(src))
     if num_layers is None:
         num_layers = int(llm_or_cache_dir.llm_engine.model_config.hf_config.num_hidden_layers)
