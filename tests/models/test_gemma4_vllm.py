@@ -26,13 +26,13 @@ from dataclasses import replace
 import pytest
 
 from trl_roundalign.analysis.compare import Condition, build_conditions, compare_with_engine
-from trl_roundalign.local_models import tiny_model
+from trl_roundalign.local_models import peaked_gemma4, tiny_model
 from trl_roundalign.profiles import ALL_REGIONS, get_profile
 
 pytestmark = pytest.mark.vllm
 
 _cache: dict[str, object] = {}
-SCHEDULES = {"auto": "auto", "plain": 0}
+SCHEDULES = {"auto": "auto", "plain": 0, "peaked-auto": "auto"}
 
 
 def params():
@@ -43,7 +43,9 @@ def comparison(schedule: str):
     if schedule not in _cache:
         from trl_roundalign.engine import build_llm, close_llm, engine_info, profile_for_engine
 
-        path = tiny_model("gemma4")
+        # peaked-gemma4 under the row floor: the engine where Inductor kept the stored embedding (the form the schedule
+        # rule gets wrong); the three regions must read it from the engine's code as the exact mode does.
+        path = peaked_gemma4() if schedule.startswith("peaked") else tiny_model("gemma4")
         # Each prompt prefilled alone, as exact mode's engine runs (`engine.prefill`): with the row floor the engine's
         # batched prefill differs from its own one-at-a-time prefill (2 of 384 tokens, one ulp, on the AMD AVX-512
         # machine), and the exact mode reproduces the latter.
@@ -89,3 +91,24 @@ def test_gemma4_engine_lanes_are_the_documented_reading(schedule):
 
     assert comparison(schedule).reduction_lanes == default_reduction_lanes(2, True, spec=ARCH_SPECS["gemma4_text"])
 
+
+def test_every_profile_gets_gemma4s_engine_code_facts():
+    """Gemma 4's layer-0 form is read from the engine's code with the lanes (`EngineLanes.embedding_kernels`); the
+    non-exact profiles must get it too, not only the exact one (`ArchSpec.engine_code_facts`): on an engine where
+    Inductor kept the stored embedding under the row floor, the schedule rule alone put the three regions above
+    default BF16 (docs/results/avx512/gemma4_regions.md). No engine: the lanes are handed in as `analyze` reads them."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from trl_roundalign.analysis.conditions import apply_condition
+    from trl_roundalign.engine.lanes import EngineLanes
+    from trl_roundalign.models import ARCH_SPECS, default_reduction_lanes, find_backbone
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model("gemma4"), dtype=torch.bfloat16)
+    lanes = default_reduction_lanes(2, True, spec=ARCH_SPECS["gemma4_text"])
+    for read in (1, 2):
+        for profile in ("vllm-compiled", "vllm-compiled-exact"):
+            apply_condition(model, Condition("three", ("rope", "swiglu", "rmsnorm"), profile),
+                            EngineLanes(lanes, embedding_kernels=read), None)
+            state = find_backbone(model).layers[0].__dict__["_roundalign"]
+            assert state.originals.get("engine_embedding_kernels") == read, (profile, read)

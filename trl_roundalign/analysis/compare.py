@@ -219,13 +219,12 @@ def compare_engine_run(
 ) -> Comparison:
     """The training side of `compare_with_engine`: score `run`'s samples under each condition, with the statistics."""
     samples, prefill = run.samples, run.prefill
-    lanes = None
+    lanes = run.lanes  # None where not read; a profile without the engine's reduction order ignores the counts
     if any(get_profile(c.profile).reduction == "inductor-cpu" for c in conditions):
         if not run.info.compiled or run.info.platform != "cpu":
             raise ValueError("The exact condition reproduces vLLM-CPU's compiled engine; this engine is not one.")
         if run.lanes is None:
             raise ValueError(f"The engine's reduction lanes could not be read: {run.lanes_error}")
-        lanes = run.lanes
     max_len = getattr(run.info, "max_model_len", None)
     # The engine's linears' GEMM schedule (trl_roundalign.engine.gemm).
     rows = GemmSchedule(getattr(run.info, "gemm_block_rows", None) or 0, getattr(run.info, "gemm_min_rows", None) or 0)

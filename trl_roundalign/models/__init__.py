@@ -19,7 +19,9 @@ from . import phi3 as _phi3  # noqa: F401  (registers Phi-3)
 from . import qwen3_moe as _qwen3_moe  # noqa: F401  (registers Qwen3-MoE)
 from .spec import ARCH_SPECS, ArchSpec, register_arch, require_attrs
 
-__all__ = ["ARCH_SPECS", "ArchSpec", "default_reduction_lanes", "find_backbone", "get_spec", "register_arch"]
+__all__ = [
+    "ARCH_SPECS", "ArchSpec", "default_reduction_lanes", "find_backbone", "get_spec", "reads_engine_code", "register_arch",
+]
 
 
 # Families read or tried and refused, with what stands in the way (issue 40; docs/families.md).
@@ -40,6 +42,13 @@ def get_spec(model_type: str) -> ArchSpec:
             raise ValueError(f"Unsupported model_type {model_type!r}: {REFUSED[model_type]}.") from None
         supported = ", ".join(f"{k} ({v.examples})" for k, v in ARCH_SPECS.items())
         raise ValueError(f"Unsupported model_type {model_type!r}; supported: {supported}.") from None
+
+
+def reads_engine_code(model) -> bool:
+    """Whether `model`'s family reads facts of the engine's generated code with the reduction lanes under every
+    profile (`ArchSpec.engine_code_facts`: Gemma 4's layer-0 form), so that its callers hand it the engine's lanes."""
+    spec = ARCH_SPECS.get(getattr(getattr(model, "config", None), "model_type", None))
+    return bool(spec is not None and spec.engine_code_facts)
 
 
 def find_backbone(model: torch.nn.Module) -> torch.nn.Module:

@@ -153,9 +153,10 @@ def gemma4_decoder_layer_forward(
     unrounded = h.dtype == torch.float32
     # Layer 0: where Inductor recomputes the embedding product instead of storing it, the first norm and the residual
     # read it unrounded, and it stores the post-attention sum instead (the pre-feedforward norm normalises that store).
-    # Read from the engine's code with the lanes (two embedding kernels: `engine.lanes.EngineLanes`) where given (the
-    # exact profile); otherwise from the schedule of this layer's linears: Inductor recomputed it in 5 of the 6
-    # row-floor engines read and in none of the plain ones (docs/numerics.md, "Gemma 4").
+    # Read from the engine's code with the lanes (two embedding kernels: `engine.lanes.EngineLanes`) where given (any
+    # profile against a compiled vLLM-CPU engine: `ArchSpec.engine_code_facts`); without an engine, from the schedule of
+    # this layer's linears: Inductor recomputed it in 5 of the 6 row-floor engines read and in none of the plain ones
+    # (docs/numerics.md, "Gemma 4").
     opaque = False
     if unrounded and self.self_attn.layer_idx == 0:
         read = st.originals.get("engine_embedding_kernels")
@@ -297,5 +298,6 @@ GEMMA4 = register_arch(
         forward_norm_order=gemma4_norm_order,
         layer_forward_regions=("rmsnorm", "swiglu"),
         bind_extra=bind_gemma4_extra,
+        engine_code_facts=True,
     )
 )

@@ -63,6 +63,11 @@ class ArchSpec:
     # inputs' GeGLU belongs to "swiglu"), and what else a family installs under "rmsnorm"
     # (`bind_extra(backbone, state, lanes_by_norm, installed)`, returning report entries).
     forward_norm_order: Callable | None = None
+    # Gemma 4: the forward reads a fact of the engine's generated code that comes with the lanes
+    # (`engine.lanes.EngineLanes.embedding_kernels`, its layer-0 form) under every profile, not only the exact one: the
+    # trainer and `analyze` then hand the engine's lanes to every condition (a profile without the engine's reduction
+    # order ignores the lane counts themselves).
+    engine_code_facts: bool = False
     layer_forward_regions: tuple[str, ...] = ("rmsnorm",)
     bind_extra: Callable | None = None
 

@@ -45,6 +45,7 @@ from ..engine.dispatch import apply_vllm_cpu_weight_sync_fix, is_vllm_cpu
 from ..engine.gemm import GemmSchedule
 from ..engine.layout import LayoutMismatch, apply_to_policy, layout_differences, policy_facts
 from ..engine.prefill import prefill_alone_engine_kwargs
+from ..models import reads_engine_code
 from ..ops.attention import sampled_from
 from ..patching import apply_roundalign, get_patch_report, restore_fp32_rope_frequencies
 from ..profiles import is_exact
@@ -407,10 +408,9 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
         return None if self.roundalign_engine is None else self.roundalign_engine.kv_block_size
 
     def _install_patches(self):
-        args = self.args
-        lanes, source = None, None
-        if is_exact(self.roundalign_profile) and self.roundalign_engine is not None:
-            lanes, source = self._engine_lanes(), "engine"
+        args, lanes, source = self.args, None, None
+        if self.roundalign_engine is not None and (is_exact(self.roundalign_profile) or reads_engine_code(self.model)):
+            lanes, source = self._engine_lanes(), "engine"  # Gemma 4 reads its layer-0 form with them (any profile)
         targets = [self.model] + ([self.ref_model] if getattr(self, "ref_model", None) is not None else [])
         report = None
         for target in targets:
