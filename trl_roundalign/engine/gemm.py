@@ -371,14 +371,18 @@ def linear_shapes(config, tensor_parallel: int = 1) -> dict[str, tuple[int, ...]
 
 def _per_layer_attention(cfg) -> list[tuple[int, int]]:
     """A config with per-layer attention layouts (Gemma 4's `per_layer_config`): the distinct (head dim, kv heads),
-    in layer order; [] for a homogeneous config."""
+    in layer order; [] for a homogeneous config. transformers 5.19 gives other configs a `per_layer_config` too (a
+    Qwen2 with sliding-window layers: per-layer windows, no per-layer head dim); their attention layout is global."""
     layers = getattr(cfg, "per_layer_config", None)
     if not layers:
         return []
     out: list[tuple[int, int]] = []
     for i in range(int(cfg.num_hidden_layers)):
         lc = layers[i]
-        pair = (int(lc.head_dim), int(lc.num_key_value_heads))
+        head_dim, kv_heads = getattr(lc, "head_dim", None), getattr(lc, "num_key_value_heads", None)
+        if head_dim is None or kv_heads is None:  # not per-layer in this config (AttributeError subclasses included)
+            return []
+        pair = (int(head_dim), int(kv_heads))
         if pair not in out:
             out.append(pair)
     return out
