@@ -10,9 +10,9 @@ from .gemma import geglu_tanh, gemma_qk_norm_rope, gemma_rms_norm
 from .gemma4 import gemma4_per_layer_inputs, gemma4_qk_norm_rope, gemma4_rms_norm
 from .rms_norm import add_rms_norm, rms_norm
 from .rope import qk_norm_rope, rope
-from .swiglu import swiglu
+from .swiglu import sigmoid_gate, swiglu
 
 __all__ = [
     "add_rms_norm", "geglu_tanh", "gemma4_per_layer_inputs", "gemma4_qk_norm_rope", "gemma4_rms_norm",
-    "gemma_qk_norm_rope", "gemma_rms_norm", "qk_norm_rope", "rms_norm", "rope", "swiglu",
+    "gemma_qk_norm_rope", "gemma_rms_norm", "qk_norm_rope", "rms_norm", "rope", "sigmoid_gate", "swiglu",
 ]

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from ..profiles import Profile
 from ._common import check_tensor, resolve
 
-__all__ = ["swiglu", "swiglu_reference"]
+__all__ = ["sigmoid_gate", "swiglu", "swiglu_reference"]
 
 
 def _silu_fp32(gf: torch.Tensor) -> torch.Tensor:
@@ -94,3 +94,53 @@ def swiglu(
 
         return swiglu_triton(gate, up, prof.gpu_kernels)
     return swiglu_reference(gate, up, "fp32")
+
+
+# ----------------------------------------------------------------------------- sigmoid output gate (Qwen3.5)
+
+
+class _SigmoidGateRef(torch.autograd.Function):
+    """`r(f(x) * sigmoid(f(g)))`, sigmoid as Inductor's C++ lowers it, `1 / (exp(-g) + 1)`; one rounding."""
+
+    @staticmethod
+    def forward(ctx, x, gate):
+        ctx.save_for_backward(x, gate)
+        return (x.float() * (1.0 / (torch.exp(-gate.float()) + 1.0))).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, gate = ctx.saved_tensors
+        go = grad.float()
+        sig = 1.0 / (torch.exp(-gate.float()) + 1.0)
+        dx = go * sig
+        dg = go * x.float() * sig * (1.0 - sig)
+        return dx.to(x.dtype), dg.to(gate.dtype)
+
+
+def sigmoid_gate(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    *,
+    profile: str | Profile = "vllm-compiled",
+    backend: str | None = None,
+) -> torch.Tensor:
+    """The gated attention output `x * sigmoid(gate)` (Qwen3.5's full-attention layers; vLLM's `Qwen3NextAttention`).
+
+    Rounded where `profile` says, with the SwiGLU region's mode (the same kind of region: an activation of one
+    projection times another value): `"fp32"` (`vllm-compiled`) computes the product in fp32 and rounds once, as
+    Inductor fuses it (tests/ops/test_sigmoid_gate_vs_vllm.py); `"hf"` is transformers' `x * torch.sigmoid(gate)`
+    in bf16 (the sigmoid rounded, then the product). PyTorch reference on every device (`backend="triton"` runs it
+    too: no kernel of its own).
+
+    Args:
+        x: the attention output `[..., heads * head_dim]`, bf16/fp16.
+        gate: the gate half of `q_proj`'s output, same shape and dtype.
+    """
+    check_tensor("x", x)
+    check_tensor("gate", gate, x.dtype)
+    if x.shape != gate.shape:
+        raise TypeError(f"x {tuple(x.shape)} and gate {tuple(gate.shape)} must have the same shape.")
+    prof, _ = resolve(profile, backend, x, gate)
+    if prof.swiglu == "hf":
+        return x * torch.sigmoid(gate)
+    return _SigmoidGateRef.apply(x, gate)
