@@ -289,7 +289,9 @@ def build_tiny_model(
 
 def tiny_model(arch: str, *, seed: int = 0, **overrides) -> Path:
     """A cached `build_tiny_model`: built once under `cache_root()` per (arch, seed, overrides)."""
-    key = "-".join([arch, f"s{seed}"] + [f"{k}{v}" for k, v in sorted(overrides.items())])
+    # Lists as comma-joined items: brackets and quotes in a folder name break vLLM's weight-file glob.
+    key = "-".join([arch, f"s{seed}"] + [f"{k}{','.join(map(str, v)) if isinstance(v, (list, tuple)) else v}"
+                                         for k, v in sorted(overrides.items())])
     target = cache_root() / "tiny" / key
     with _locked(target):
         if not (target / "config.json").exists():
