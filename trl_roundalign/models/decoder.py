@@ -99,12 +99,14 @@ def attend(
     *,
     sliding_window: int | None = None,
     qk_norm_rope=ops.qk_norm_rope,
+    output_gate: torch.Tensor | None = None,
     **kwargs,
 ):
     """The attention forward after the q/k/v projections (`[B, T, heads, head_dim]` each): RoPE (aligned or the
     model's, partial rotary when cos/sin are narrower than the head), the KV cache, attention (the engine's
     kernel under region `"attention"`), `o_proj`. Shared by every family's attention forward; `qk_norm_rope` is the
-    fused q/k-norm + RoPE region of families with q/k-norms (Gemma 3 passes its `(1 + w)` form)."""
+    fused q/k-norm + RoPE region of families with q/k-norms (Gemma 3 passes its `(1 + w)` form); `output_gate`
+    (Qwen3.5's gated attention) multiplies the attention output by its sigmoid before `o_proj`."""
     st = _state(self)
     prof, backend = st.profile, st.backend
     input_shape = q.shape[:-2]
@@ -136,7 +138,8 @@ def attend(
         k = ops.rope(k, cos.unsqueeze(1), sin.unsqueeze(1), profile="none")
 
     return attention_core(
-        self, q, k, v, attention_mask, past_key_values, input_shape, sliding_window=sliding_window, **kwargs
+        self, q, k, v, attention_mask, past_key_values, input_shape, sliding_window=sliding_window,
+        output_gate=output_gate, **kwargs,
     )
 
 
@@ -150,10 +153,12 @@ def attention_core(
     input_shape,
     *,
     sliding_window: int | None = None,
+    output_gate: torch.Tensor | None = None,
     **kwargs,
 ):
     """The attention forward after RoPE (`q`, `k`, `v` as `[B, heads, T, head_dim]`): the KV cache, attention (the
-    engine's kernel under region `"attention"`, full forwards only), `o_proj`."""
+    engine's kernel under region `"attention"`, full forwards only), the output gate (`x sigmoid(gate)`, one rounding
+    under region `"swiglu"`), `o_proj`."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     st = _state(self)
@@ -192,6 +197,9 @@ def attention_core(
         **kwargs,
     )
     attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+    if output_gate is not None:
+        gate_profile = st.profile if "swiglu" in st.regions else "none"
+        attn_output = ops.sigmoid_gate(attn_output, output_gate, profile=gate_profile, backend=st.backend)
     attn_output = self.o_proj(attn_output)
     return attn_output, attn_weights
 

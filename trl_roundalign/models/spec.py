@@ -69,6 +69,9 @@ class ArchSpec:
     # order ignores the lane counts themselves).
     engine_code_facts: bool = False
     layer_forward_regions: tuple[str, ...] = ("rmsnorm",)
+    # Qwen3.5: the regions under which the attention forward is installed (its sigmoid output gate belongs to
+    # "swiglu"); a layer without `self_attn` (a gated delta-net layer) keeps its mixer.
+    attention_forward_regions: tuple[str, ...] = ("rope", "attention")
     bind_extra: Callable | None = None
 
 

