@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -289,9 +290,12 @@ def build_tiny_model(
 
 def tiny_model(arch: str, *, seed: int = 0, **overrides) -> Path:
     """A cached `build_tiny_model`: built once under `cache_root()` per (arch, seed, overrides)."""
-    # Lists as comma-joined items: brackets and quotes in a folder name break vLLM's weight-file glob.
+    # Lists as comma-joined items: brackets and quotes in a folder name break vLLM's weight-file glob. A name past
+    # what a file system takes (255 bytes, with the lock file's suffix) ends in a digest of the overrides instead.
     key = "-".join([arch, f"s{seed}"] + [f"{k}{','.join(map(str, v)) if isinstance(v, (list, tuple)) else v}"
                                          for k, v in sorted(overrides.items())])
+    if len(key) > 120:
+        key = f"{arch}-s{seed}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
     target = cache_root() / "tiny" / key
     with _locked(target):
         if not (target / "config.json").exists():
