@@ -73,3 +73,20 @@ def test_qwen3_5_refuses_what_was_not_measured_in_one_line(overrides, names):
     line = str(e.value)
     assert "\n" not in line and line.startswith("This qwen3_5_text model has ")
     assert all(n in line for n in names), line
+
+
+@pytest.mark.parametrize("model_type,config,names", [
+    ("olmo2", {"attention_bias": True}, ["attention_bias=True", "Supported: OLMo 2"]),
+    ("gemma3_text", {"final_logit_softcapping": 30.0}, ["final_logit_softcapping=30.0", "Supported: Gemma 3"]),
+])
+def test_gemma3_and_olmo2_refuse_what_was_not_measured_in_one_line(model_type, config, names):
+    from transformers import Gemma3TextConfig, Olmo2Config
+
+    from trl_roundalign.models import ARCH_SPECS
+
+    cfg = (Olmo2Config if model_type == "olmo2" else Gemma3TextConfig)(**config)
+    with pytest.raises(ValueError) as e:
+        ARCH_SPECS[model_type].check_config(cfg)
+    line = str(e.value)
+    assert "\n" not in line and line.startswith(f"This {model_type} model has ")
+    assert all(n in line for n in names), line

