@@ -6,8 +6,9 @@ recipe as `local_models.build_tiny_model`: locally trained tokenizer, offline), 
 compiled engine on it in a child process, generates (4 prompts x 2 samples, up to 32 tokens, temperature 1) and
 scores the samples with the engine's prefill; then scores the same tokens with the Hugging Face model as it is
 (default BF16, sdpa) and reports the mismatch over completion tokens (k3, mean/max |Δ log p|, bit-identical
-fraction). It also records what `apply_roundalign` says for the family (these families are not supported: the
-product refuses them, naming the supported ones). A family whose engine fails gets the failure's last lines.
+fraction). It also records what `apply_roundalign` says for the family (when the artifact was written, these
+families were refused; both are supported since issue 40, and the scores stay default BF16's: the patch is reverted
+before scoring). A family whose engine fails gets the failure's last lines.
 
 Run: `.venv/bin/python scripts/newer_families.py [--families qwen3_5_text,gemma4_text] [--out DIR]`. Writes
 DIR/newer_families.{md,json} (default docs/results/avx2: the numbers are this machine's; see `machine`).
@@ -86,7 +87,7 @@ def measure_one(family: str, result: Path) -> None:
     from trl_roundalign import metrics
     from trl_roundalign.analysis.compare import completion_matrix
     from trl_roundalign.analysis.engine_process import run_engine_in_process
-    from trl_roundalign.patching import apply_roundalign
+    from trl_roundalign.patching import apply_roundalign, revert_roundalign
     from trl_roundalign.scoring import hf_logprobs
 
     row: dict = {"family": family, "config": FAMILIES[family][0]}
@@ -97,6 +98,7 @@ def measure_one(family: str, result: Path) -> None:
         try:
             apply_roundalign(model)
             row["roundalign"] = "applied"
+            revert_roundalign(model)  # the scores below are default BF16's
         except (ValueError, NotImplementedError) as exc:
             row["roundalign"] = f"refused: {exc}"
         started = time.time()
