@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.env import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,11 +27,14 @@ def _run(script_text: str, tmp_path: Path, name: str):
     script = tmp_path / f"{name}.py"
     script.write_text(script_text)
     # No use_cpu, no KV-cache size, no offline flags: only where the offline models are cached (so the test
-    # does not rebuild them) and a private home.
+    # does not rebuild them), a private home, and a rendezvous port of its own (helpers.env: TRL's first free
+    # candidate, 29500, can be taken by anything else on a shared machine before vLLM binds it).
     env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
         "HOME": str(tmp_path / "home"),
         "TRL_ROUNDALIGN_CACHE": os.environ["TRL_ROUNDALIGN_CACHE"],
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
     }
     run_dir = tmp_path / name
     run_dir.mkdir()

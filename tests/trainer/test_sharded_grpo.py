@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.env import subprocess_env
+from helpers.env import free_port, subprocess_env
 
 from trl_roundalign import metrics
 
@@ -211,11 +211,7 @@ def test_bf16_parameters_under_fsdp2_or_zero3_without_mixed_precision_are_refuse
     """Without mixed precision accelerate does not upcast (FSDP2) and DeepSpeed keeps no fp32 copy: the optimizer
     would step the bf16 parameters and updates below half an ulp would round away. Through accelerate's real
     FSDP2/DeepSpeed preparation (the shim), two processes, the trainer refuses in one line naming what to set."""
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     script = tmp_path / "refuse.py"
     script.write_text(_REFUSE)
     path = os.pathsep.join(p for p in (str(SHIM), os.environ.get("PYTHONPATH", "")) if p)
@@ -236,14 +232,6 @@ def test_bf16_parameters_under_fsdp2_or_zero3_without_mixed_precision_are_refuse
     assert all(says in ln for ln in refused), refused
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.full  # two launches of about a minute each per source
 @pytest.mark.parametrize("source", ["fsdp-args", "zero2-args"])
 def test_sharding_set_in_the_trainer_arguments_trains_aligned(tmp_path, source):
@@ -255,7 +243,7 @@ def test_sharding_set_in_the_trainer_arguments_trains_aligned(tmp_path, source):
     extra = {"ROUNDALIGN_SHIM": "1", "ROUNDALIGN_TEST_SHARDING": source}
     if source.startswith("zero"):
         extra.update(DS_ACCELERATOR="cpu", ROUNDALIGN_SHIM_DS="1")
-    train = _launch(tmp_path, None, "train", _free_port(), **extra)
+    train = _launch(tmp_path, None, "train", free_port(), **extra)
     for r in train:
         setup = r["setup"]
         assert r["run_info"]["verification"]["verdict"] == "ok"
@@ -280,5 +268,5 @@ def test_sharding_set_in_the_trainer_arguments_trains_aligned(tmp_path, source):
             assert all(s["master_not_bf16"] > s["master_entries"] // 2 for s in masters)
     _check_sync(train, sharded=source != "zero2-args")
     _check_metrics(train)
-    resumed = _launch(tmp_path, None, "resume", _free_port(), **extra)
+    resumed = _launch(tmp_path, None, "resume", free_port(), **extra)
     _check_resume(train, resumed)

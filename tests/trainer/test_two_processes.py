@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.env import subprocess_env
+from helpers.env import free_port, subprocess_env
 
 from trl_roundalign import metrics
 
@@ -26,7 +26,7 @@ def test_two_process_metrics_equal_the_union(tmp_path):
     env = subprocess_env(ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1")
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-        "--main_process_port", "29561", "--mixed_precision", "no", "--dynamo_backend", "no", str(script), str(tmp_path),
+        "--main_process_port", str(free_port()), "--mixed_precision", "no", "--dynamo_backend", "no", str(script), str(tmp_path),
     ]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
