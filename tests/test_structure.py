@@ -145,3 +145,40 @@ def test_the_old_flat_module_paths_import_the_moved_modules():
 
     from trl_roundalign.engine import EngineInfo, build_llm, engine_info, profile_for_engine  # noqa: F401
     from trl_roundalign.trainer import RoundAlignGRPOTrainer, check_trl_internals  # noqa: F401
+
+
+def test_no_test_fixes_a_port():
+    """Every port a test or its scripts listen on is one the kernel hands out (`helpers.env.free_port`): a fixed one
+    fails whenever anything else on the machine holds it (EADDRINUSE on port 29500 on the Intel AMX machine)."""
+    import re
+
+    fixed = re.compile(
+        r"""(main_process_port["']?\s*,\s*["']\d{4,5}["'])|(MASTER_PORT["']?\s*[=:,]\s*["']\d{4,5}["'])"""
+        r"""|(\bport\s*=\s*\d{4,5}\b)|(127\.0\.0\.1:\d{4,5})"""
+    )
+    tests = PKG.parent / "tests"
+    found = [
+        f"{path.relative_to(tests)}:{i}: {line.strip()}"
+        for path in sorted(tests.rglob("*.py"))
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        if fixed.search(line)
+    ]
+    assert not found, "fixed ports in the tests:\n" + "\n".join(found)
+
+
+def test_every_cli_command_a_message_or_page_names_exists():
+    """A message or page that tells the user to run `trl-roundalign X` names a command the CLI has (a `serve` was named
+    in the layout's refusal, the prefill-alone comment and docs/numerics.md before it existed)."""
+    import re
+
+    from trl_roundalign.cli import build_parser
+
+    commands = set(build_parser()._subparsers._group_actions[0].choices)
+    root = PKG.parent
+    named = {}
+    for path in [*PKG.rglob("*.py"), *(root / "docs").rglob("*.md"), root / "README.md"]:
+        # a command as written: in backticks, or at the start of a line of a shell block
+        for cmd in re.findall(r"(?:`|^\s*(?:\$ )?)trl-roundalign ([a-z][a-z-]+)", path.read_text(), re.M):
+            named.setdefault(cmd, path.relative_to(root))
+    missing = {c: str(p) for c, p in named.items() if c not in commands}
+    assert not missing, f"commands named but not in the CLI ({sorted(commands)}): {missing}"

@@ -35,7 +35,7 @@ __all__ = [
 ]
 
 # The key of the engine's `additional_config` that turns it on (per engine; a server takes it with
-# `--additional-config '{"roundalign_prefill_alone": true}'`, which `trl-roundalign serve --exact` passes).
+# `--additional-config '{"roundalign_prefill_alone": true}'`).
 PREFILL_ALONE_KEY = "roundalign_prefill_alone"
 _HOOK = "_roundalign_prefill_alone"
 
