@@ -290,8 +290,11 @@ def _k3(comp, condition: str) -> float:
 @pytest.mark.vllm
 def test_full_attention_layers_are_aligned_exactly():
     """With full-attention layers only, the regions are the engine's: the exact mode (engine lanes and attention
-    kernel) is bit-identical to the engine's prefill, and the three regions lower k3 (measured 2.3x on the Intel Xeon
-    AVX-512 machine, 2.0x at transformers' default Qwen3.5 widths: docs/results/avx512/qwen3_5_regions.md)."""
+    kernel) is bit-identical to the engine's prefill, and the three regions lower k3 below default BF16's on the
+    same tokens. By how much depends on the CPU kind (what remains is the attention and the GEMMs, which differ per
+    kind): 2.3x on the Intel Xeon AVX-512 machine (2.0x at transformers' default Qwen3.5 widths,
+    docs/results/avx512/qwen3_5_regions.md), 1.33x on the AMD AVX2 one (1.873e-4 against 2.492e-4), at least 1.5x on
+    Intel AMX; so the claim on every kind is "lower", and the exact part is what shows the forms are the engine's."""
     comp = qwen3_5_comparison("full")
     exact = comp.stats["exact"]["vs_prefill"]
     assert exact["mismatch/tokens"] > 100
@@ -299,7 +302,7 @@ def test_full_attention_layers_are_aligned_exactly():
     assert exact["mismatch/abs_logp_diff/max"] == 0.0
     default, three = _k3(comp, "bf16_default"), _k3(comp, "three_region")
     assert default > 0
-    assert three <= default / 1.5, {c: _k3(comp, c) for c in comp.stats}
+    assert three < default, {c: _k3(comp, c) for c in comp.stats}
 
 
 @pytest.mark.vllm
