@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from helpers.env import free_port
-
 from trl_roundalign.weight_transfer.auth import TOKEN_ENV, new_token
 
 
