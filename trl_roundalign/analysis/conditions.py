@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..engine.gemm import PLAIN, GemmSchedule
-from ..models import reads_engine_code
+from ..models import takes_engine_lanes
 from ..patching import apply_roundalign, revert_roundalign
 from ..profiles import ALL_REGIONS, PAPER_CONDITIONS, PAPER_REGIONS, get_profile
 
@@ -91,9 +91,7 @@ def apply_condition(
     install_row_blocked_linears(model, schedule.block_rows, schedule.min_rows)
     tp = tensor_parallel if cond.tensor_parallel is None else cond.tensor_parallel
     install_tp_linears(model, tp if cond.regions else 1, schedule.block_rows, schedule.min_rows)
-    # The lanes where the profile sums in the engine's order, or where the family reads engine-code facts with them.
-    uses_lanes = get_profile(cond.profile).reduction == "inductor-cpu" or reads_engine_code(model)
-    lanes = reduction_lanes if uses_lanes else None
+    lanes = reduction_lanes if takes_engine_lanes(model, cond.profile) else None
     block = attention_block_size if get_profile(cond.profile).attention == "vllm-cpu" else None
     apply_roundalign(
         model, cond.regions, cond.profile, backend, reduction_lanes=lanes, positions_from_mask=False,

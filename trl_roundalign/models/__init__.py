@@ -22,6 +22,7 @@ from .spec import ARCH_SPECS, ArchSpec, register_arch, require_attrs
 
 __all__ = [
     "ARCH_SPECS", "ArchSpec", "default_reduction_lanes", "find_backbone", "get_spec", "reads_engine_code", "register_arch",
+    "takes_engine_lanes",
 ]
 
 
@@ -49,6 +50,17 @@ def reads_engine_code(model) -> bool:
     profile (`ArchSpec.engine_code_facts`: Gemma 4's layer-0 form), so that its callers hand it the engine's lanes."""
     spec = ARCH_SPECS.get(getattr(getattr(model, "config", None), "model_type", None))
     return bool(spec is not None and spec.engine_code_facts)
+
+
+def takes_engine_lanes(model, profile) -> bool:
+    """THE decision whether `model`, patched under `profile` (a name or `Profile`), is handed the engine's reduction
+    lanes: where the profile sums in the engine's order (`reduction="inductor-cpu"`, the exact profiles), or where
+    the family reads facts of the engine's generated code with them under every profile (`reads_engine_code`). The
+    trainer's patching, the start-up check's candidates and `analyze`'s conditions all ask here, so each scores the
+    model form the others run."""
+    from ..profiles import get_profile
+
+    return get_profile(profile).reduction == "inductor-cpu" or reads_engine_code(model)
 
 
 def find_backbone(model: torch.nn.Module) -> torch.nn.Module:

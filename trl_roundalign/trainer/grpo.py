@@ -45,7 +45,7 @@ from ..engine.dispatch import apply_vllm_cpu_weight_sync_fix, is_vllm_cpu
 from ..engine.gemm import GemmSchedule
 from ..engine.layout import LayoutMismatch, apply_to_policy, layout_differences, policy_facts
 from ..engine.prefill import prefill_alone_engine_kwargs
-from ..models import reads_engine_code
+from ..models import takes_engine_lanes
 from ..ops.attention import sampled_from
 from ..patching import apply_roundalign, get_patch_report, restore_fp32_rope_frequencies
 from ..profiles import is_exact
@@ -409,7 +409,7 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
 
     def _install_patches(self):
         args, lanes, source = self.args, None, None
-        if self.roundalign_engine is not None and (is_exact(self.roundalign_profile) or reads_engine_code(self.model)):
+        if self.roundalign_engine is not None and takes_engine_lanes(self.model, self.roundalign_profile):
             lanes, source = self._engine_lanes(), "engine"  # Gemma 4 reads its layer-0 form with them (any profile)
         targets = [self.model] + ([self.ref_model] if getattr(self, "ref_model", None) is not None else [])
         report = None

@@ -194,12 +194,13 @@ def verification_sequences(tokenizer, *, max_len: int = 48) -> list[list[int]]:
 
 
 def _score(model, sequences, engine_logps, regions, profile, backend, lanes, block_size, max_len=None) -> CandidateScore:
+    from ..models import takes_engine_lanes
     from ..patching import apply_roundalign, revert_roundalign
     from ..scoring import hf_logprobs
 
     revert_roundalign(model)
     prof = get_profile(profile)
-    use_lanes = lanes if prof.reduction == "inductor-cpu" else None
+    use_lanes = lanes if takes_engine_lanes(model, prof) else None
     apply_roundalign(
         model, regions, profile, backend, reduction_lanes=use_lanes, lanes_source="engine" if use_lanes else None,
         positions_from_mask=False, attention_block_size=block_size if prof.attention == "vllm-cpu" else None,
