@@ -342,8 +342,10 @@ def linear_shapes(config, tensor_parallel: int = 1) -> dict[str, tuple[int, ...]
     hd = per_layer[0][0] if per_layer else int(getattr(cfg, "head_dim", None) or h // heads)
     inter = int(getattr(cfg, "intermediate_size", 0) or 0)
     vocab = int(cfg.vocab_size)
+    # Qwen3.5's gated attention: q_proj computes each head's query and its output gate (vLLM's `attn_output_gate`).
+    q_width = heads * hd * (2 if _gated_attention(cfg) else 1)
     shapes: dict[str, tuple[int, ...]] = {
-        "qkv_proj": (h, heads * hd, kv * hd, kv * hd),
+        "qkv_proj": (h, q_width, kv * hd, kv * hd),
         "o_proj": (heads * hd, h),
         "lm_head": (h, vocab),
     }
@@ -356,6 +358,15 @@ def linear_shapes(config, tensor_parallel: int = 1) -> dict[str, tuple[int, ...]
         shapes["per_layer_model_projection"] = (h, int(cfg.num_hidden_layers) * ple)
         shapes["per_layer_input_gate"] = (h, ple)
         shapes["per_layer_projection"] = (ple, h)
+    if "linear_attention" in (getattr(cfg, "layer_types", None) or ()):
+        # Qwen3.5's gated delta-net layers: the engine fuses q/k/v with z (`in_proj_qkvz`) and b with a (`in_proj_ba`),
+        # where transformers computes in_proj_qkv and in_proj_z, in_proj_b and in_proj_a.
+        kd = int(cfg.linear_num_key_heads) * int(cfg.linear_key_head_dim)
+        nv = int(cfg.linear_num_value_heads)
+        vd = nv * int(cfg.linear_value_head_dim)
+        shapes["in_proj_qkvz"] = (h, 2 * kd + vd, vd)
+        shapes["in_proj_ba"] = (h, nv, nv)
+        shapes["out_proj"] = (vd, h)
     if inter:
         shapes["gate_up_proj"] = (h, inter, inter)
         shapes["down_proj"] = (inter, h)
@@ -364,9 +375,15 @@ def linear_shapes(config, tensor_parallel: int = 1) -> dict[str, tuple[int, ...]
         for name, (k, *ns) in list(shapes.items()):
             if name.startswith("per_layer_"):  # Gemma 4's per-layer-input linears (TP not measured for Gemma 4)
                 continue
-            row_parallel = name.split("@")[0] in ("o_proj", "down_proj")
+            row_parallel = name.split("@")[0] in ("o_proj", "down_proj", "out_proj")
             shapes[f"{name}/tp{tp}"] = (k // tp, *ns) if row_parallel else (k, *(n // tp for n in ns))
     return shapes
+
+
+def _gated_attention(cfg) -> bool:
+    """Whether the attention's q projection also computes an output gate per head (Qwen3.5: vLLM's
+    `Qwen3NextAttention` with `attn_output_gate`, true unless the config says otherwise)."""
+    return cfg.model_type in ("qwen3_5_text", "qwen3_next") and bool(getattr(cfg, "attn_output_gate", True))
 
 
 def _per_layer_attention(cfg) -> list[tuple[int, int]]:
