@@ -167,9 +167,9 @@ def analyze(
     spec = get_spec(check_architecture(model_path))
     from transformers import AutoConfig
 
-    from ..models.spec import exact_refusal
+    from ..models import exact_refusal_for
 
-    no_exact = exact_refusal(spec, AutoConfig.from_pretrained(model_path))
+    no_exact = exact_refusal_for(AutoConfig.from_pretrained(model_path))
     if no_exact is not None and (exact == "on" or per_layer):
         what = "--per-layer compares every layer with the exact mode" if per_layer else "--exact on"
         raise ValueError(f"{what}, which is not available for this model here: {no_exact} Use --exact auto (or off).")

@@ -148,15 +148,12 @@ def _compare_fixed(model_path, llm, conditions, info, lanes, block: int, fixed: 
 
 
 def _exact_refusal(model_path) -> str | None:
-    """Why the model's family has no exact mode for it (`models.spec.exact_refusal`), or None."""
+    """Why the model at `model_path` has no exact mode here (`models.exact_refusal_for`), or None."""
     from transformers import AutoConfig
 
-    from ..models import get_spec
-    from ..models.spec import exact_refusal
+    from ..models import exact_refusal_for
 
-    config = AutoConfig.from_pretrained(str(model_path))
-    config = getattr(config, "text_config", None) or config
-    return exact_refusal(get_spec(config.model_type), config)
+    return exact_refusal_for(AutoConfig.from_pretrained(str(model_path)))
 
 
 def engine_section(model_path, kind: str, *, regions: bool = True, num_prompts: int = 2, samples_per_prompt: int = 2,

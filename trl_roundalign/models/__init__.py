@@ -22,7 +22,7 @@ from .spec import ARCH_SPECS, ArchSpec, register_arch, require_attrs
 
 __all__ = [
     "ARCH_SPECS", "ArchSpec", "default_reduction_lanes", "find_backbone", "get_spec", "reads_engine_code", "register_arch",
-    "takes_engine_lanes",
+    "exact_refusal_for", "takes_engine_lanes",
 ]
 
 
@@ -50,6 +50,18 @@ def reads_engine_code(model) -> bool:
     profile (`ArchSpec.engine_code_facts`: Gemma 4's layer-0 form), so that its callers hand it the engine's lanes."""
     spec = ARCH_SPECS.get(getattr(getattr(model, "config", None), "model_type", None))
     return bool(spec is not None and spec.engine_code_facts)
+
+
+def exact_refusal_for(config) -> str | None:
+    """THE answer to "why has this model no exact mode here?" (its family's `ArchSpec` refusal, `spec.exact_refusal`),
+    or None where it has one: `config` is a transformers config (a multimodal config's text part is read) or a model
+    (its backbone's config). The start-up check, `analyze` and the numerics card all ask here."""
+    from .spec import exact_refusal
+
+    if isinstance(config, torch.nn.Module):
+        config = getattr(find_backbone(config), "config", None) or getattr(config, "config", None)
+    config = getattr(config, "text_config", None) or config
+    return exact_refusal(get_spec(getattr(config, "model_type", None)), config)
 
 
 def takes_engine_lanes(model, profile) -> bool:

@@ -340,15 +340,6 @@ def server_prompt_logprobs(client, sequences: list[list[int]], temperature: floa
     return result
 
 
-def _exact_refusal(model) -> str | None:
-    """Why the model's family has no exact mode on this machine (`ArchSpec` refusal), or None."""
-    from ..models import find_backbone, get_spec
-    from ..models.spec import exact_refusal
-
-    config = getattr(find_backbone(model), "config", None) or getattr(model, "config", None)
-    return exact_refusal(get_spec(getattr(config, "model_type", None)), config)
-
-
 def _family_profiles(model) -> tuple[str, ...] | None:
     """The profiles measured for the model's family (`ArchSpec.profiles`; None: all)."""
     from ..models import find_backbone, get_spec
@@ -401,7 +392,9 @@ def verify_profile(
     start = time.perf_counter()
     regions = tuple(regions)
     max_len = getattr(info, "max_model_len", None)  # LongRoPE models: the engine's factor set
-    refusal = None if is_exact(chosen) else _exact_refusal(model)
+    from ..models import exact_refusal_for
+
+    refusal = None if is_exact(chosen) else exact_refusal_for(model)
     if candidates is None:
         bases, exacts = candidate_profiles(info, exact=lanes is not None and refusal is None)
     else:
