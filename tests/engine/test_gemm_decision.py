@@ -35,13 +35,14 @@ def test_row_counts_above_the_cap_are_named_not_passed_over(tiny_models):
 def test_the_trainer_measures_its_micro_batch_its_prefill_chunk_and_its_tp_shards(tiny_models, tmp_path):
     """The trainer's decision covers the engine's TP shards and the row counts its training micro-batch and its
     engine's prefill chunk reach, and says which it did not cover (recorded in run_info's gemm report)."""
-    from trl_roundalign import RoundAlignGRPOConfig, RoundAlignGRPOTrainer
+    from trl_roundalign import RoundAlignGRPOConfig
+    from trl_roundalign.trainer.engine_plan import decide_gemm_schedule
 
     args = RoundAlignGRPOConfig(
         output_dir=str(tmp_path), use_vllm=True, vllm_mode="colocate", use_cpu=True, bf16=True,
         per_device_train_batch_size=8, num_generations=4, max_completion_length=1024, vllm_max_model_length=2048,
         vllm_tensor_parallel_size=2, roundalign_regions=["rope", "swiglu", "rmsnorm"], report_to="none",
     )  # fmt: skip
-    rows, report = RoundAlignGRPOTrainer._decide_gemm_schedule(str(tiny_models["qwen3"]), args, {"max_num_batched_tokens": 512})
+    rows, report = decide_gemm_schedule(str(tiny_models["qwen3"]), args, {"max_num_batched_tokens": 512})
     assert "o_proj/tp2" in {s.name for s in report.shapes}
     assert report.not_covered == ["the training micro-batch reaches 16384 rows (measured up to 2048)"]

@@ -18,7 +18,6 @@ import contextlib
 import inspect
 import logging
 import os
-import warnings
 import weakref
 
 import torch
@@ -26,31 +25,21 @@ from trl import GRPOTrainer
 
 from .. import __version__
 from ..engine import (
-    AUTO_MEASURE_ROWS,
-    GEMM_MEASURE_MAX_ROWS,
     close_colocated_engine,
-    engine_build_context,
-    engine_cache_root,
     engine_layout,
     exact_profile_for,
-    fresh_rope_cache,
     inductor_reduction_lanes,
-    keep_decode_keys_on_one_thread,
-    piecewise_compilation_config,
     profile_for_engine,
-    scoped_cache_root,
-    wants_piecewise,
 )
-from ..engine.dispatch import apply_vllm_cpu_weight_sync_fix, is_vllm_cpu
 from ..engine.gemm import GemmSchedule
 from ..engine.layout import LayoutMismatch, apply_to_policy, layout_differences, policy_facts
-from ..engine.prefill import prefill_alone_engine_kwargs
 from ..models import takes_engine_lanes
 from ..ops.attention import sampled_from
 from ..patching import apply_roundalign, get_patch_report, restore_fp32_rope_frequencies
 from ..profiles import is_exact
 from .callbacks import MismatchCallback
 from .config import RoundAlignGRPOConfig
+from .engine_plan import plan_engine
 from .logprobs import install as install_sampler_logprobs
 from .logprobs import sampler_logprobs
 from .logprobs import supports as logprobs_supports
@@ -86,37 +75,6 @@ def check_trl_internals(cls=GRPOTrainer) -> None:
                 f"trl {trl.__version__}: GRPOTrainer.{name}{tuple(have)} no longer takes {params} first; "
                 "trl-roundalign was built against trl 1.16. Install trl==1.16.*."
             )
-
-
-@contextlib.contextmanager
-def _engine_options(extra: dict | None):
-    """Inject engine options TRL does not expose into the `vllm.LLM(...)` call TRL makes."""
-    if not extra:
-        yield
-        return
-    import trl.generation.vllm_generation as vg
-
-    original = vg.LLM
-
-    def llm_with_options(*args, **kwargs):
-        kwargs.update(extra)
-        return original(*args, **kwargs)
-
-    vg.LLM = llm_with_options
-    try:
-        yield
-    finally:
-        vg.LLM = original
-
-
-def _server_client(args):
-    """Server mode with a CPU trainer: TRL's client syncs weights over NCCL (CUDA only); use the gloo backend's
-    client instead (`trl_roundalign.weight_transfer`; the server runs `--weight-transfer-config '{"backend": "gloo"}'`)."""
-    if not (args.use_vllm and args.vllm_mode == "server" and (args.use_cpu or not torch.cuda.is_available())):
-        return contextlib.nullcontext()
-    from ..weight_transfer.client import gloo_client
-
-    return gloo_client()
 
 
 @contextlib.contextmanager
@@ -167,51 +125,14 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
         self._roundalign_seen: dict[int, weakref.ref] = {}
         self._mismatch_callback: MismatchCallback | None = None
 
-        engine_kwargs = dict(args.vllm_engine_kwargs or {})
-        colocate = args.use_vllm and args.vllm_mode == "colocate"
-        if args.cast_lm_head_to_fp32 and args.use_vllm:
-            if colocate:
-                # Both sides or neither: TRL casts only the trainer's head; vLLM's is set by hf_overrides.
-                overrides = dict(engine_kwargs.get("hf_overrides") or {})
-                overrides.setdefault("head_dtype", "float32")
-                engine_kwargs["hf_overrides"] = overrides
-            else:
-                warnings.warn(
-                    "cast_lm_head_to_fp32=True casts the trainer's lm head only; start the vLLM server with "
-                    "--hf-overrides '{\"head_dtype\": \"float32\"}' so both sides compute fp32 logits.",
-                    UserWarning,
-                    stacklevel=2,
-                )
-        cache_ctx = contextlib.nullcontext()
-        piecewise = colocate and wants_piecewise(engine_kwargs.get("compilation_config"))
-        if piecewise:
-            # vLLM's CUDA default, asked for explicitly; on vLLM-CPU it needs the compat shim and compile_sizes=[].
-            engine_kwargs["compilation_config"] = piecewise_compilation_config(engine_kwargs["compilation_config"])
-        # The engine's layout (`engine.layout.EngineLayout`), read once: the home of every engine fact the policy reproduces.
+        # The engine's preparation, one decision (`engine_plan.plan_engine`); the engine's layout
+        # (`engine.layout.EngineLayout`), read once it runs, is the home of every engine fact the policy reproduces.
+        plan = plan_engine(model, args)
+        colocate, planned_rows = plan.colocate, plan.gemm_schedule
         self.roundalign_layout = None
         self._roundalign_colocated = colocate
-        self._roundalign_gemm_report = None
-        planned_rows = None
-        if colocate:
-            apply_vllm_cpu_weight_sync_fix()
-            if is_vllm_cpu() and "attention" in args.roundalign_regions:  # exact mode recomputes each sampled token
-                keep_decode_keys_on_one_thread()  # as its decode step did, and each prompt as its lone prefill did
-                prefill_alone_engine_kwargs(engine_kwargs, args.vllm_max_model_length, getattr(model, "config", model))
-            if is_vllm_cpu():  # before the engine loads: its linears (our dispatcher) take the decided schedule
-                planned_rows, self._roundalign_gemm_report = self._decide_gemm_schedule(model, args, engine_kwargs)
-            if is_vllm_cpu() and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
-                # vLLM-CPU otherwise reserves a large share of host RAM for its KV cache (6.8 GB for a toy model).
-                os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
-                logger.warning(
-                    "VLLM_CPU_KVCACHE_SPACE is unset: the colocated vLLM-CPU engine gets a 1 GiB KV cache. Set it (GiB) "
-                    "before building the trainer for longer or more sequences."
-                )
-            tag = "eager" if engine_kwargs.get("enforce_eager") else ("piecewise" if piecewise else "compiled")
-            if "VLLM_CACHE_ROOT" not in os.environ or is_vllm_cpu():
-                cache_ctx = scoped_cache_root(engine_cache_root(tag, gemm_schedule=planned_rows))
-        rope_ctx = fresh_rope_cache() if colocate else contextlib.nullcontext()
-        build_ctx = engine_build_context(engine_kwargs.get("compilation_config")) if colocate else contextlib.nullcontext()
-        with cache_ctx, rope_ctx, build_ctx, _engine_options(engine_kwargs if colocate else None), _server_client(args):
+        self._roundalign_gemm_report = plan.gemm_report
+        with plan.contexts():
             super().__init__(model, reward_funcs, args, *posargs, **kwargs)
 
         self.roundalign_verification = None
@@ -433,40 +354,6 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
         if not self._gemm_schedule.plain:
             logger.info("linear layers: %s on both sides", self._gemm_schedule.describe())
         return report
-
-    @staticmethod
-    def _decide_gemm_schedule(model, args: RoundAlignGRPOConfig, engine_kwargs: dict):
-        """The GEMM schedule both sides' linears use, and the measurement behind it (`engine.gemm.decide_schedule`,
-        the one decision): the model's linear shapes, their shards at the engine's TP size, and the row counts the run
-        reaches (the training micro-batch's tokens, the engine's prefill chunk), measured up to `GEMM_MEASURE_MAX_ROWS`
-        rows; what lies above is named in the report. Exact mode refuses, in one line, where no schedule is
-        batch-invariant; the other modes warn (their start-up check decides by exact refinements, which then cannot
-        reproduce the engine). Default BF16 is the stock trainer: plain F.linear, nothing measured."""
-        from ..engine import gemm
-
-        requested = args.roundalign_gemm_block_rows
-        if not args.roundalign_regions and requested == "auto":
-            gemm.set_schedule(gemm.GemmSchedule())
-            return gemm.GemmSchedule(), None
-        if isinstance(model, str):
-            from transformers import AutoConfig
-
-            config = AutoConfig.from_pretrained(model)
-        else:
-            config = getattr(model, "config", None)
-        completion = int(args.max_completion_length or 256)
-        length = int(args.vllm_max_model_length or (completion + 512))
-        reaches = {"the training micro-batch": int(args.per_device_train_batch_size) * length}
-        if engine_kwargs.get("max_num_batched_tokens"):
-            reaches["the engine's prefill chunk"] = int(engine_kwargs["max_num_batched_tokens"])
-        schedule, report = gemm.decide_schedule(
-            config, requested, reaches, cap=max(AUTO_MEASURE_ROWS, GEMM_MEASURE_MAX_ROWS),
-            tensor_parallel=int(args.vllm_tensor_parallel_size or 1), refuse="attention" in args.roundalign_regions,
-        )
-        gemm.set_schedule(schedule)
-        if report is not None:
-            logger.info("GEMM on this machine: %s", report.summary())
-        return schedule, report
 
     def _verify_profile(self):
         """Check the profile against the running engine (see `trl_roundalign.trainer.startup_check`); None when not checked."""

