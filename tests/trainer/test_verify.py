@@ -113,3 +113,30 @@ def test_exact_mode_refuses_plain_linears_where_the_gemm_is_batch_variant(tmp_pa
 def test_bad_gemm_block_rows_is_one_line(tmp_path):
     with pytest.raises(ValueError, match=r"roundalign_gemm_block_rows='many': use 'auto' or a whole number"):
         make_config(tmp_path, roundalign_gemm_block_rows="many")
+
+
+def test_the_prompt_horizon_is_set_without_the_start_up_check(tmp_path, closing, caplog):
+    """The runtime prompt check (`PromptHorizon.check`) is exact mode's, not the start-up check's: with the check off
+    (and so on every rank, where the check runs on the main process only) a prompt past the horizon is still said.
+    Here the user's engine caches prefixes (it then prefills a prompt's uncached tail only), so the horizon is measured
+    at this machine's attention shape; a batch with a longer prompt warns once."""
+    import logging
+
+    import torch
+
+    args = make_config(tmp_path, max_steps=1, roundalign_regions=["rope", "swiglu", "rmsnorm", "attention"],
+                       roundalign_verify_profile=False, vllm_engine_kwargs={"enable_prefix_caching": True})
+    with caplog.at_level(logging.WARNING, logger="trl_roundalign.trainer.startup_check"):
+        trainer = closing(
+            RoundAlignGRPOTrainer(
+                model=str(tiny_model("qwen3")), reward_funcs=varied_reward, args=args,
+                train_dataset=arithmetic_dataset("train[:8]"),
+            )
+        )
+    assert trainer.roundalign_verification is None and trainer.roundalign_layout.prompts_alone is False
+    horizon = trainer._roundalign_horizon
+    assert horizon.tokens is not None and horizon.tokens > 0
+    mask = torch.ones(1, horizon.tokens + 2, dtype=torch.long)
+    with caplog.at_level(logging.WARNING, logger="trl_roundalign.trainer.startup_check"):
+        horizon.check(mask, horizon.tokens + 1)
+    assert any("is longer than the" in r.getMessage() for r in caplog.records)

@@ -122,6 +122,7 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
         check_options(model, args)  # trainer.options: every refusal that needs no engine
         self._check_tp_lora(model, args, kwargs.get("peft_config"))
         self._roundalign_capture = False
+        self._roundalign_horizon = None  # exact mode's prompt limit (`startup_check.PromptHorizon`), set at start-up
         self._roundalign_seen: dict[int, weakref.ref] = {}
         self._mismatch_callback: MismatchCallback | None = None
 
@@ -171,6 +172,12 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
             self._check_layout(fields=("dtype",))  # what the policy was loaded in, before anything is patched
             self.roundalign_report = self._install_patches()
             self._check_layout()  # the whole layout, read back from the patched policy
+            if self.roundalign_engine is not None and is_exact(self.roundalign_profile):
+                # Exact mode's runtime prompt check, on every rank, whether or not the start-up check runs.
+                from .startup_check import PromptHorizon
+
+                self._roundalign_horizon = PromptHorizon.for_engine(self.roundalign_layout, self.model,
+                                                                    self._engine_block_size())
             if args.roundalign_verify_profile:
                 # Scoring the engine runs it and the policy: neither may move the random state the first generation
                 # samples from, or turning alignment on would change what is sampled from step 1 on.
@@ -372,7 +379,7 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
     def _verify_colocated(self):
         args = self.args
         from ..scoring import vllm_prefill_logprobs
-        from .startup_check import PromptHorizon, verification_sequences, verify_against_sampler, verify_profile
+        from .startup_check import verification_sequences, verify_against_sampler, verify_profile
 
         llm = self.vllm_generation.llm
         sequences = verification_sequences(llm.get_tokenizer())
@@ -388,8 +395,6 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
             self.roundalign_report = self._install_patches()
         if is_exact(self.roundalign_profile):
             verify_against_sampler(self.model, llm, sequences, result)  # decode steps of a shrinking batch
-            self._roundalign_horizon = PromptHorizon.for_engine(self.roundalign_layout, self.model,
-                                                                self._engine_block_size())
             result.prompt_horizon = self._roundalign_horizon.tokens
         logger.info("profile %s verified in %.1f s (%d tokens; sampler: %d)", result.chosen, result.seconds, result.tokens,
                     result.sampler_tokens)
