@@ -47,27 +47,33 @@ def _run(script_text: str, tmp_path: Path, name: str):
 
 
 def test_readme_quickstart_runs_as_printed(tmp_path):
-    """The block runs as printed; what it prints is the last step's k3; and on the first step (the same sampled
-    completions with alignment on or off: the start-up check leaves the random state alone) the three regions'
-    k3 against the engine is below default BF16's, paired on the same tokens."""
+    """The block runs as printed; what it prints is the last step's k3 and bit-identical share; in exact mode every
+    token's log-prob is the sampler's, bit for bit (k3 0), on both steps; and on the first step (the same sampled
+    completions with alignment on or off: the start-up check leaves the random state alone) default BF16 differs on
+    the same tokens (so the claim can fail). The earlier block claimed the three regions below default there, which
+    the AMD AVX2 machine contradicted for this tiny model (1.177e-6 against 1.123e-6): that claim is per model and
+    kind (docs/alignment.md), exact mode's holds on every kind."""
     text = _quickstart()
     proc, aligned = _run(text, tmp_path, "aligned")
-    printed = float(re.search(r"mismatch k3: (\S+)", proc.stdout).group(1))
+    match = re.search(r"mismatch k3: (\S+) bit-identical: (\S+)", proc.stdout)
+    printed, bitwise = float(match.group(1)), float(match.group(2))
     # TRL logs once for the run's two steps (logging window): the k3 over the window's tokens.
     n = sum(r["mismatch/tokens"] for r in aligned.values())
     assert sorted(aligned) == [1, 2] and printed == pytest.approx(
         sum(r["mismatch/kl_k3"] * r["mismatch/tokens"] for r in aligned.values()) / n, rel=1e-9
     )
+    assert printed == 0.0 and bitwise == 1.0, (printed, bitwise)
+    for step in aligned.values():
+        assert step["mismatch/kl_k3"] == 0.0 and step["mismatch/frac_bitwise_equal"] == 1.0, step
     if not torch.cuda.is_available():
         assert "training on the CPU (use_cpu=True)" in proc.stderr
         assert "VLLM_CPU_KVCACHE_SPACE is unset" in proc.stderr
 
-    marker = "    use_vllm=True,\n"
-    assert marker in text
-    _, default = _run(text.replace(marker, marker + "    roundalign_regions=[],\n"), tmp_path, "default")
+    regions = re.search(r"\n    roundalign_regions=\[.*?\],[^\n]*\n", text).group(0)
+    _, default = _run(text.replace(regions, "\n    roundalign_regions=[],\n"), tmp_path, "default")
     a, d = aligned[1], default[1]
     assert a["mismatch/tokens"] == d["mismatch/tokens"] > 0
-    assert 0 <= a["mismatch/kl_k3"] < d["mismatch/kl_k3"], (a["mismatch/kl_k3"], d["mismatch/kl_k3"])
+    assert d["mismatch/kl_k3"] > 0 and d["mismatch/frac_bitwise_equal"] < 1.0, d
 
 
 # The README is the front page: short, the swap on the first screen, every number tied to its artifact. The rest
