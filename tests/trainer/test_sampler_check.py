@@ -3,7 +3,8 @@ completions that end at different steps (the decode batch shrinks from three seq
 policy recomputes every completion token as the trainer does. It passes on the engines the project builds and
 fails, in one line, on an engine whose sampler the trainer does not reproduce: here one that splits a lone decoding
 sequence's keys over threads (vLLM-CPU's default, `VLLM_CPU_ATTN_SPLIT_KV=1`), which the layout check would
-otherwise have stopped first."""
+otherwise have stopped first. Whether that split changes any bit is a fact of the CPU: where it changes none (the
+Intel AMX machine), the failing half skips with that measurement."""
 
 from __future__ import annotations
 
@@ -77,7 +78,16 @@ def test_the_sampler_check_passes_on_the_projects_engine_and_fails_where_keys_ar
     assert result.sampler_tokens == sum(SAMPLER_CHECK_TOKENS)
     result, error = check(model, "1")
     print(error)
-    assert error is not None and result.sampler_bitwise < 1.0
+    if error is None:
+        # The check passed the splitting engine: it must then have seen every token bit-identical (it never passes
+        # a difference), which measures that on this CPU splitting the keys changed no bit of these completions
+        # (so on the Intel AMX machine's fresh-clone run): nothing to catch here, and the failing half is untested.
+        assert result.sampler_bitwise == 1.0 and result.sampler_tokens == sum(SAMPLER_CHECK_TOKENS)
+        from trl_roundalign.engine.gemm import cpu_kind
+
+        pytest.skip(f"on this CPU ({cpu_kind()}) an engine splitting a lone sequence's keys gave the same bits on all "
+                    f"{result.sampler_tokens} sampled tokens: the check has no difference to catch")
+    assert result.sampler_bitwise < 1.0
     assert error.startswith("Exact mode reproduces the engine's prefill but ") and "\n" not in error
 
 
