@@ -59,6 +59,7 @@ __all__ = [
     "METRIC_DOCS",
     "METRIC_KEYS",
     "MismatchSums",
+    "UNREPRODUCED_CAUSES",
     "empty_sums",
     "finalize",
     "histogram_quantiles",
@@ -97,11 +98,26 @@ METRIC_DOCS: dict[str, str] = {
     "log-prob of every token it samples, so a non-zero count means one side computed NaN/inf: investigate it.",
     "mismatch/nonfinite_train_tokens": "Of `mismatch/nan_tokens`, the tokens whose training-side log-prob is not "
     "finite (the trainer's forward produced NaN/inf); the rest are non-finite on vLLM's side only.",
+    "mismatch/unreproduced_tokens": "Exact mode: of the valid tokens, those the engine computed in a form the trainer "
+    "does not reproduce, by its own per-request schedule record (`engine.schedule`): the sum of the causes below. "
+    "They are in every statistic above; where it is 0 every token was computed as the trainer recomputes it. 0 outside "
+    "exact mode (not tracked).",
+    "mismatch/unreproduced_tokens/preempted": "Of `mismatch/unreproduced_tokens`: tokens sampled after the engine "
+    "preempted their request (KV cache full) and prefilled its prompt and tokens again.",
+    "mismatch/unreproduced_tokens/prefill_chunked": "Of `mismatch/unreproduced_tokens`: tokens of requests whose "
+    "prompt the engine prefilled in chunks (chunked prefill), or computed in another multi-token step.",
+    "mismatch/unreproduced_tokens/prefix_cached": "Of `mismatch/unreproduced_tokens`: tokens of requests whose "
+    "prompt's prefix came from the engine's prefix cache (only its tail was computed).",
+    "mismatch/unreproduced_tokens/unrecorded": "Of `mismatch/unreproduced_tokens`: tokens of requests the engine kept "
+    "no schedule record of (another scheduler class, or no readable one): counted as not reproduced.",
 }
+
+# The causes of `mismatch/unreproduced_tokens`, in the order of their codes (1, 2, ...) in the per-token tensor
+# `mismatch_sums` takes; `engine.schedule.CAUSES` names the same.
+UNREPRODUCED_CAUSES: tuple[str, ...] = ("preempted", "prefill_chunked", "prefix_cached", "unrecorded")
 
 METRIC_KEYS: tuple[str, ...] = tuple(METRIC_DOCS)
 
-_COUNT_KEYS = ("mismatch/tokens", "mismatch/nan_tokens", "mismatch/nonfinite_train_tokens")
 _QUANTILES = {"p50": 0.5, "p90": 0.9, "p99": 0.99}
 
 HIST_MANTISSA_BITS = 8
@@ -181,6 +197,8 @@ class MismatchSums:
         abs_diff_bounds (`torch.Tensor`): float32 `[K, 2]`, smallest and largest `|Δ|` in each bucket.
         clip_eps_low (`float`), clip_eps_high (`float`): the clip band the counts used; merging sums of
             different bands raises.
+        unreproduced (`tuple[int, ...]`): valid tokens computed in a form the trainer does not reproduce, one count
+            per cause of `UNREPRODUCED_CAUSES`.
     """
 
     tokens: int = 0
@@ -198,6 +216,7 @@ class MismatchSums:
     abs_diff_buckets: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
     abs_diff_counts: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
     abs_diff_bounds: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 2, dtype=torch.float32))
+    unreproduced: tuple[int, ...] = (0,) * len(UNREPRODUCED_CAUSES)
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.2
 
@@ -219,6 +238,7 @@ def mismatch_sums(
     *,
     clip_eps_low: float = 0.2,
     clip_eps_high: float = 0.2,
+    unreproduced: torch.Tensor | None = None,
 ) -> MismatchSums:
     """Additive mismatch statistics of one batch of sampled tokens.
 
@@ -233,6 +253,9 @@ def mismatch_sums(
             Lower PPO clip width: ratios below `1 - clip_eps_low` count as outside the band.
         clip_eps_high (`float`, *optional*, defaults to `0.2`):
             Upper PPO clip width: ratios above `1 + clip_eps_high` count as outside the band.
+        unreproduced (`torch.Tensor`, *optional*):
+            `[B, T]` integer codes: 0 where the engine computed the token as the trainer recomputes it, `i` (1-based)
+            where it did not, for the cause `UNREPRODUCED_CAUSES[i - 1]`. `None`: not tracked (all 0).
 
     Returns:
         `MismatchSums`: the sufficient statistics, on the CPU. Tokens inside the mask whose train or vLLM
@@ -265,6 +288,13 @@ def mismatch_sums(
 
     d = delta[valid]
     equal = train.float()[valid] == infer.float()[valid]
+    unreproduced_counts = (0,) * len(UNREPRODUCED_CAUSES)
+    if unreproduced is not None:
+        codes = _as_2d(unreproduced, "unreproduced").to(device=train.device)
+        if codes.shape != train.shape:
+            raise ValueError(f"unreproduced {tuple(codes.shape)} and log-probs {tuple(train.shape)} differ in shape.")
+        codes = codes[valid].long()
+        unreproduced_counts = tuple(int((codes == i + 1).sum()) for i in range(len(UNREPRODUCED_CAUSES)))
     if d.numel() == 0:
         return MismatchSums(
             nan_tokens=nan_tokens,
@@ -308,6 +338,7 @@ def mismatch_sums(
         abs_diff_bounds=bounds,
         clip_eps_low=clip_eps_low,
         clip_eps_high=clip_eps_high,
+        unreproduced=unreproduced_counts,
     )
 
 
@@ -352,6 +383,7 @@ def merge_sums(sums_list: Sequence[MismatchSums]) -> MismatchSums:
         merged.ratio_min = min(merged.ratio_min, s.ratio_min)
         merged.ratio_max = max(merged.ratio_max, s.ratio_max)
         merged.abs_diff_max = max(merged.abs_diff_max, s.abs_diff_max)
+        merged.unreproduced = tuple(a + b for a, b in zip(merged.unreproduced, s.unreproduced, strict=True))
     merged.seq_log_ratios = torch.cat([s.seq_log_ratios.cpu().double() for s in sums_list])
     merged.abs_diff_buckets, merged.abs_diff_counts, merged.abs_diff_bounds = _merge_histograms(
         [(s.abs_diff_buckets, s.abs_diff_counts, s.abs_diff_bounds) for s in sums_list]
@@ -400,6 +432,9 @@ def finalize(sums: MismatchSums) -> dict[str, float]:
     out["mismatch/tokens"] = float(n)
     out["mismatch/nan_tokens"] = float(sums.nan_tokens)
     out["mismatch/nonfinite_train_tokens"] = float(sums.nonfinite_train)
+    out["mismatch/unreproduced_tokens"] = float(sum(sums.unreproduced))
+    for cause, count in zip(UNREPRODUCED_CAUSES, sums.unreproduced, strict=True):
+        out[f"mismatch/unreproduced_tokens/{cause}"] = float(count)
     if n > 0:
         out["mismatch/kl_k1"] = sums.k1_sum / n
         out["mismatch/kl_k3"] = sums.k3_sum / n

@@ -47,6 +47,7 @@ def test_exact_mode_prefills_each_prompt_alone_and_keeps_decode_keys_on_one_thre
     assert kw["enable_chunked_prefill"] is False and kw["enable_prefix_caching"] is False
     assert kw["max_num_batched_tokens"] >= 256 and kw["additional_config"]["roundalign_prefill_alone"] is True
     assert os.environ[KV_SPLIT_ENV] == "0"
+    assert kw["scheduler_cls"] == "trl_roundalign.engine.schedule.RecordingScheduler"  # each request's schedule recorded
     assert plan.gemm_report is not None and plan.gemm_schedule is not None
 
 

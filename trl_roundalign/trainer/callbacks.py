@@ -135,8 +135,10 @@ class MismatchCallback(TrainerCallback):
             self.run_info = {"trl": trl.__version__, "trainer": type(trainer).__name__, "regions": [], "profile": "none"}
         return self
 
-    def record(self, train_logps: torch.Tensor, sampling_logps: torch.Tensor, mask: torch.Tensor) -> None:
-        """Add one micro-batch's sufficient statistics (called by the trainer)."""
+    def record(self, train_logps: torch.Tensor, sampling_logps: torch.Tensor, mask: torch.Tensor,
+               unreproduced: torch.Tensor | None = None) -> None:
+        """Add one micro-batch's sufficient statistics (called by the trainer); `unreproduced`: exact mode's per-token
+        codes of what the engine computed in a form the trainer does not reproduce (`metrics.mismatch_sums`)."""
         eps_low, eps_high = clip_band(self.trainer)
         self._pending.append(
             metrics.mismatch_sums(
@@ -145,6 +147,7 @@ class MismatchCallback(TrainerCallback):
                 mask.detach(),
                 clip_eps_low=eps_low,
                 clip_eps_high=eps_high,
+                unreproduced=None if unreproduced is None else unreproduced.detach(),
             )
         )
 

@@ -108,6 +108,16 @@ class RoundAlignGRPOConfig(GRPOConfig):
             "with a lower k3, exact profiles refused there). The result goes into mismatch.jsonl's header."
         },
     )
+    roundalign_stop_on_unreproduced: bool = field(
+        default=False,
+        metadata={
+            "help": "Exact mode: stop the run, in one line naming the cause and what to change, at the first batch whose "
+            "completion tokens include some the engine computed in a form the trainer does not reproduce (a request "
+            "preempted when the KV cache ran short, a chunked prefill, a prefix-cache hit: by the engine's own "
+            "per-request schedule record). Off: warned once per cause and counted every step in "
+            "mismatch/unreproduced_tokens."
+        },
+    )
     roundalign_lora_forward: str = field(
         default="merged",
         metadata={

@@ -45,6 +45,7 @@ from .logprobs import sampler_logprobs
 from .logprobs import supports as logprobs_supports
 from .masters import MasterWeightsOptimizer, aligned_fsdp2_policy, distributed_precision, noop_comm_hook
 from .options import check_dtypes, check_options
+from .unreproduced import UNREPRODUCED_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +124,7 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
         self._check_tp_lora(model, args, kwargs.get("peft_config"))
         self._roundalign_capture = False
         self._roundalign_horizon = None  # exact mode's prompt limit (`startup_check.PromptHorizon`), set at start-up
+        self._roundalign_schedule = None  # exact mode's schedule records per generation (`unreproduced.ScheduleCapture`)
         self._roundalign_seen: dict[int, weakref.ref] = {}
         self._mismatch_callback: MismatchCallback | None = None
 
@@ -178,6 +180,7 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
 
                 self._roundalign_horizon = PromptHorizon.for_engine(self.roundalign_layout, self.model,
                                                                     self._engine_block_size())
+                self._roundalign_schedule = self._capture_schedules()
             if args.roundalign_verify_profile:
                 # Scoring the engine runs it and the policy: neither may move the random state the first generation
                 # samples from, or turning alignment on would change what is sampled from step 1 on.
@@ -562,6 +565,26 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
             self._roundalign_captured = out[0].detach()
         return out
 
+    def _capture_schedules(self):
+        """Exact mode's colocated engine records each request's schedule; capture it with every generation."""
+        from .unreproduced import ScheduleCapture
+
+        gen = self.vllm_generation
+        tp = int(getattr(gen, "tensor_parallel_size", 1) or 1)
+        rank = torch.distributed.get_rank(group=gen.tp_group) if tp > 1 else 0
+        return ScheduleCapture(gen.llm, tp_size=tp, tp_rank=rank, stop=self.args.roundalign_stop_on_unreproduced)
+
+    def _generate_and_score_completions(self, inputs):
+        """TRL's generation step; in exact mode the batch also carries, per completion token, whether the engine
+        computed it in a form the trainer reproduces (`unreproduced.UNREPRODUCED_KEY`, from the engine's records)."""
+        capture = self._roundalign_schedule
+        if capture is not None:
+            capture.reset()
+        out = super()._generate_and_score_completions(inputs)
+        if capture is not None and self.model.training:
+            out[UNREPRODUCED_KEY] = capture.codes(out["completion_mask"])
+        return out
+
     def _seen(self, t: torch.Tensor) -> bool:
         ref = self._roundalign_seen.get(id(t))
         return ref is not None and ref() is t
@@ -585,7 +608,7 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
             mask = inputs["completion_mask"]
             if "tool_mask" in inputs:
                 mask = mask * inputs["tool_mask"]
-            cb.record(train_logps, sampling, mask)
+            cb.record(train_logps, sampling, mask, inputs.get(UNREPRODUCED_KEY))
             self._roundalign_seen = {k: r for k, r in self._roundalign_seen.items() if r() is not None}
             self._roundalign_seen[id(sampling)] = weakref.ref(sampling)
         self._roundalign_captured = None
