@@ -242,16 +242,56 @@ def test_step_limit_file_stops_at_its_count_and_may_change(grpo, tmp_path):
 # The demo's plan, phases, table and summary
 
 
+def test_demo_runs_default_three_regions_and_exact(demo):
+    assert demo.CONDITIONS == ("bf16_default", "three_region", "exact")
+    assert set(demo.CONDITIONS) <= set(PAPER_CONDITIONS) and demo.MIN_STEPS == 10
+
+
+def test_demo_plans_go_from_smollm2_to_the_toy_model(demo):
+    assert demo.PLANS[0].model == "smollm2-135m" and demo.PLANS[-1].model == "peaked-qwen3"
+    assert len(set(demo.PLAN_NAMES)) == len(demo.PLANS)
+    for plan in demo.PLANS:
+        assert plan.batch % plan.num_generations == 0  # TRL: whole groups of completions per step
+    # Completions per step and their length never grow down the table.
+    sizes = [p.batch * p.max_completion_length for p in demo.PLANS if p.model == "smollm2-135m"]
+    assert sizes == sorted(sizes, reverse=True)
+    assert set(demo.RECORDED) == {"avx2", "avx512", "amx"}
+    assert all(set(times) <= set(demo.PLAN_NAMES) for times in demo.RECORDED.values())
+    assert "2 prompts x 4 completions of up to 32 tokens" in demo.PLANS[0].describe()
+
+
+def test_demo_chooses_a_plan_per_cpu_kind(demo):
+    budget = 13 * 60.0
+    # AVX2: three SmolLM2 start-ups alone take most of the budget; the toy model fits.
+    plan, why = demo.choose_plan("avx2", budget)
+    assert plan.name == "peaked-qwen3"
+    assert "smollm2: recorded on avx2" in why and "over 13.0 min" in why and "within 13.0 min" in why
+    for kind in ("avx512", "amx"):
+        assert demo.choose_plan(kind, budget)[0].name == "smollm2"
+    # No record for a plan on a kind: it is tried (the first run measures it); no budget: the first plan.
+    recorded = {"avx2": {"smollm2": (200.0, 100.0)}}
+    plan, why = demo.choose_plan("avx2", budget, recorded=recorded)
+    assert plan.name == "smollm2-short" and "measured on the first run" in why
+    assert demo.choose_plan("avx2", None)[0].name == "smollm2"
+    # Nothing fits: the cheapest, and the reason says the budget will be exceeded.
+    plan, why = demo.choose_plan("avx2", 60.0)
+    assert plan is demo.PLANS[-1] and "exceed the budget" in why
+    # A fallback chooses among the cheaper plans only.
+    assert demo.choose_plan("avx512", budget, demo.PLANS[1:])[0].name != "smollm2"
+
+
 def test_demo_plans_equal_steps_from_the_measured_first_step(demo):
-    # 13 min budget, 120 s start-up, 20 s a step, 600 s left after the first step:
-    # (600 - 20 - 120 + 1 * 20) / 40 = 12 steps per run.
-    assert demo.plan_steps(requested=30, done=1, step_s=20.0, startup_s=120.0, remaining_s=600.0) == 12
-    assert demo.plan_steps(requested=30, done=1, step_s=2.0, startup_s=60.0, remaining_s=600.0) == 30  # capped
-    # A slow machine: never below the step under way (the one after the last row the demo has seen).
-    assert demo.plan_steps(requested=30, done=4, step_s=200.0, startup_s=300.0, remaining_s=100.0) == 5
-    assert demo.plan_steps(requested=30, done=1, step_s=500.0, startup_s=300.0, remaining_s=10.0) == 2
-    assert demo.plan_steps(requested=3, done=3, step_s=1.0, startup_s=1.0, remaining_s=1e4) == 3
+    # 700 s left after the first step, 10 s a step, 60 s start-up, three runs, 30 s margin:
+    # (700 - 30 - 2 * 60 + 1 * 10) / 30 = 18 steps per run.
+    assert demo.steps_that_fit(done=1, step_s=10.0, startup_s=60.0, remaining_s=700.0) == 18
+    assert demo.plan_steps(requested=30, done=1, step_s=10.0, startup_s=60.0, remaining_s=700.0) == 18
+    assert demo.plan_steps(requested=30, done=1, step_s=1.0, startup_s=60.0, remaining_s=700.0) == 30  # capped
+    # Never fewer than 10 steps, however slow the machine; never below the step under way.
+    assert demo.steps_that_fit(done=1, step_s=100.0, startup_s=200.0, remaining_s=300.0) < 10
+    assert demo.plan_steps(requested=30, done=1, step_s=100.0, startup_s=200.0, remaining_s=300.0) == 10
+    assert demo.plan_steps(requested=30, done=12, step_s=100.0, startup_s=200.0, remaining_s=10.0) == 13
     assert demo.plan_steps(requested=30, done=1, step_s=500.0, startup_s=300.0, remaining_s=None) == 30
+    assert demo.seconds_needed(60.0, 3.0) == 3 * (60 + 10 * 3)
 
 
 def test_demo_reads_phases_in_order(demo):
@@ -264,31 +304,85 @@ def test_demo_reads_phases_in_order(demo):
     assert demo.phase_of("nothing yet") == -1
 
 
-def test_demo_plot_has_integer_steps_and_says_lower_is_better(demo, tmp_path):
-    rows = [{"step": s, "reward": 0.1 * s, "mismatch/kl_k3": 1e-3 / s} for s in (1, 2)]
+def _demo_rows(condition: str, steps: int = 6) -> list[dict]:
+    exact = condition == "exact"
+    return [
+        {"step": s, "reward": 0.25 * s, "rewards/arithmetic_reward/mean": 0.0,
+         "mismatch/kl_k3": 0.0 if exact else 1e-3 * s, "mismatch/frac_bitwise_equal": 1.0 if exact else 0.01,
+         "mismatch/abs_logp_diff/mean": 0.0 if exact else 0.03, "mismatch/frac_outside_clip": 0.0, "step_time": 3.0}
+        for s in range(1, steps + 1)
+    ]  # fmt: skip
+
+
+def test_demo_plot_shows_exacts_zero_and_bit_identity(demo, tmp_path):
+    runs = {c: _demo_rows(c, 3) for c in demo.CONDITIONS}
     path = tmp_path / "kl.png"
-    demo.plot_kl({"three_region": rows, "bf16_default": rows[:1]}, path)
+    demo.plot_kl(runs, path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     src = inspect.getsource(demo.plot_kl)
-    assert "lower is better" in src and "MaxNLocator(integer=True)" in src
+    assert "lower is better" in src and "MaxNLocator(integer=True)" in src and "mismatch/frac_bitwise_equal" in src
+    assert demo.ZERO_LABEL == "0 (bit-identical)" and "ZERO_LABEL" in src
+    # Zero is drawn a decade below the smallest positive value (a power of 10).
+    assert demo.zero_floor([0.0, 3e-3, 2e-2]) == pytest.approx(1e-4)
+    assert demo.zero_floor([0.0]) == 1e-6
+    demo.plot_kl({"three_region": runs["three_region"]}, tmp_path / "no-zero.png")  # no zero: a plain log axis
 
 
 def test_demo_table_and_summary(demo):
-    rows = [
-        {"step": s, "reward": 0.25 * s, "mismatch/kl_k3": 1e-3 * s, "mismatch/abs_logp_diff/mean": 0.03,
-         "mismatch/frac_outside_clip": 0.0, "step_time": 3.0}
-        for s in range(1, 7)
-    ]  # fmt: skip
+    rows = _demo_rows("three_region")
     assert len(demo.table_row(rows[0])) == len(demo.table_header())
+    assert "bit-identical" in demo.table_header()
     summary = demo.summarize(rows, 12.0)
     assert summary["steps"] == 6 and math.isclose(summary["reward_mean"], 0.875)
-    assert math.isclose(summary["kl_k3_last5"], 4e-3)
-    table = demo.summary_table({"three_region": summary, "bf16_default": demo.summarize(rows[:3], 5.0)})
-    assert "mismatch/kl_k3, mean" in table and "three_region" in table
-    cmd = demo.launch_command("three_region", ROOT / "outputs" / "x", 30, ROOT / "outputs" / "x" / "step_limit")
+    assert math.isclose(summary["kl_k3_last5"], 4e-3) and math.isclose(summary["kl_k3_max"], 6e-3)
+    assert math.isclose(summary["frac_bitwise_equal_mean"], 0.01) and summary["step_s_mean"] == 3.0
+    summaries = {c: demo.summarize(_demo_rows(c), 12.0) for c in demo.CONDITIONS}
+    assert summaries["exact"]["kl_k3_max"] == 0.0 and summaries["exact"]["frac_bitwise_equal_min"] == 1.0
+    table = demo.summary_table(summaries)
+    assert "mismatch/kl_k3, mean" in table and "bit-identical, mean" in table
+    assert all(c in table.splitlines()[0] for c in demo.CONDITIONS)
+    assert "exact: kl_k3 0 and every token bit-identical to the sampler, at every step" in table
+    assert "three_region: mean kl_k3 1.00x bf16_default's" in table
+    # A missing value prints as "-".
+    assert demo.table_row({"step": 1}).split()[1:] == ["-"] * len(demo.COLUMNS)
+
+
+def test_demo_launch_command_carries_the_plan(demo, grpo):
+    plan = demo.PLANS[-1]
+    cmd = demo.launch_command("exact", ROOT / "outputs" / "x", 30, plan, ROOT / "outputs" / "x" / "step_limit")
     assert cmd[cmd.index("--step_limit_file") + 1] == "outputs/x/step_limit"
     assert cmd[:4] == ["accelerate", "launch", "--config_file", "recipes/accelerate_configs/cpu.yaml"]
-    assert "recipes/grpo.py" in cmd and cmd[cmd.index("--condition") + 1] == "three_region"
+    assert "recipes/grpo.py" in cmd and cmd[cmd.index("--condition") + 1] == "exact"
+    assert cmd[cmd.index("--model_name_or_path") + 1] == "peaked-qwen3"
+    assert cmd[cmd.index("--max_completion_length") + 1] == str(plan.max_completion_length)
+    assert cmd[cmd.index("--per_device_train_batch_size") + 1] == str(plan.batch)
+    assert cmd[cmd.index("--num_generations") + 1] == str(plan.num_generations)
+    i = cmd.index("--reward_funcs")
+    assert cmd[i + 1 : i + 3] == ["arithmetic_partial_reward", "arithmetic_reward"]
+    assert cmd[cmd.index("--reward_weights") + 1 :][:2] == ["1", "0"]
+    # recipes/grpo.py parses it: the plan's flags override the recipe, the condition sets exact's regions.
+    assert cmd[4:7] == ["recipes/grpo.py", "--config", "recipes/cpu/smollm2_arithmetic.yaml"]
+    script_args, args, model_args = _parse(grpo, *cmd[7:])
+    assert model_args.model_name_or_path == "peaked-qwen3" and args.per_device_train_batch_size == plan.batch
+    assert list(args.roundalign_regions) == ["rope", "swiglu", "rmsnorm", "attention"]
+    assert script_args.reward_funcs == ["arithmetic_partial_reward", "arithmetic_reward"]
+    assert args.reward_weights == [1.0, 0.0] and args.max_steps == 30
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--steps", "5"], "--steps must be at least 10"),
+        (["--steps", "many"], "invalid int value"),
+        (["--plan", "huge"], "unknown plan 'huge'; plans: smollm2, smollm2-short, peaked-qwen3"),
+        (["--time-budget-min", "-1"], "--time-budget-min must be"),
+        (["--no-such-flag"], "unrecognized arguments"),
+    ],
+)
+def test_demo_bad_input_is_one_line(demo, capsys, argv, message):
+    assert demo.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and message in err
 
 
 # ------------------------------------------------------------------------------------------------
