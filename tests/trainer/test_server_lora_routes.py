@@ -2,7 +2,7 @@
 `/v1/load_lora_adapter` and `/v1/unload_lora_adapter`, which change what the server samples from. They must need the
 server token like every other state-changing route; only the named read-only and inference routes stay open.
 
-The test starts its own server (`python -m trl_roundalign.weight_transfer.serve` on 127.0.0.1, as in
+The test starts its own server (`trl-roundalign serve` on 127.0.0.1, as in
 test_server_mode.py) on the tiny Qwen3 model with LoRA enabled, so the routes are live.
 """
 

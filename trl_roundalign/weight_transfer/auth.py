@@ -1,6 +1,6 @@
 """The server token: what stops anyone who reaches a server-mode vLLM server from pushing weights into it.
 
-`python -m trl_roundalign.weight_transfer.serve` runs vLLM with its development endpoints on
+`trl-roundalign serve` runs vLLM with its development endpoints on
 (``VLLM_SERVER_DEV_MODE=1``: `/init_weight_transfer_engine`, `/update_weights`, `/collective_rpc`, `/sleep`,
 `/server_info`, ...). vLLM's ``--api-key`` guards only its inference routes (``/v1``, ``/v2``, ``/inference``,
 ``/cohere``); without more, any process that reaches the port could point the server at its own gloo store and

@@ -254,7 +254,7 @@ def _refuse_dropped_weights(model: torch.nn.Module) -> None:
                 f"vLLM-CPU loaded {name!r} with its weight packed into a kernel and dropped, so gloo weight "
                 "updates have nothing to load into. trl-roundalign's vllm.general_plugins entry point "
                 "(roundalign_gloo_weight_transfer) keeps them when it runs before the model loads: leave it in "
-                "VLLM_PLUGINS and start the server with `python -m trl_roundalign.weight_transfer.serve`."
+                "VLLM_PLUGINS and start the server with `trl-roundalign serve`."
             )
 
 

