@@ -33,7 +33,7 @@ def evidence(llm) -> str:
     """The engine's model module (Inductor's C++ and its `call`), kernel bodies without boilerplate lines."""
     from trl_roundalign.engine.lanes import _inductor_dir_of, _inductor_modules
 
-    src = max(_inductor_modules(_inductor_dir_of(llm)[0]), key=len)
+    src = _inductor_modules(_inductor_dir_of(llm)[0])[-1]  # the newest: the module the engine runs (as the lanes reader)
     kernels = [ln for ln in src[: src.index("class Runner")].splitlines() if ln.strip() and not _NOISE.search(ln)]
     body = src[src.index("    def call(self, args)") : src.index("runner = Runner")]
     calls = [ln for ln in body.splitlines() if re.search(r"cpp_fused|extern_kernels|torch\.ops\.|return \(", ln)
