@@ -122,9 +122,9 @@ recorded = []
 original_record = cb.record
 
 
-def record(train_logps, sampling_logps, mask):
+def record(train_logps, sampling_logps, mask, **kwargs):
     recorded.append((train_logps.detach().cpu(), sampling_logps.detach().cpu(), mask.detach().cpu()))
-    original_record(train_logps, sampling_logps, mask)
+    original_record(train_logps, sampling_logps, mask, **kwargs)
 
 
 cb.record = record

@@ -267,7 +267,7 @@ def test_a_rival_must_beat_the_profile_by_more_than_the_engines_own_noise(monkey
         return score
 
     monkeypatch.setattr(verify, "_score", fake_score)
-    monkeypatch.setattr(verify, "_exact_refusal", lambda model: None)
+    monkeypatch.setattr("trl_roundalign.models.exact_refusal_for", lambda model: None)
     monkeypatch.setattr(verify, "_family_profiles", lambda model: None)
     args = dict(chosen="vllm-compiled", regions=("rope", "swiglu", "rmsnorm"), lanes=None,
                 candidates=list(offsets), better_ratio=1.0, auto_ok=False)

@@ -47,7 +47,7 @@ def both_exact(monkeypatch):
         return verify.CandidateScore(profile, list(regions), 0.0 if exact else 1e-5, 1.0 if exact else 0.9, 0.0)
 
     monkeypatch.setattr(verify, "_score", fake_score)
-    monkeypatch.setattr(verify, "_exact_refusal", lambda model: None)
+    monkeypatch.setattr("trl_roundalign.models.exact_refusal_for", lambda model: None)
     monkeypatch.setattr(verify, "_family_profiles", lambda model: None)
     monkeypatch.setattr(verify, "candidate_profiles", lambda info, exact=True: ([], list(EXACT_REFINEMENTS)))
 
@@ -104,7 +104,7 @@ def _scored(monkeypatch, table, exacts=()):
         return verify.CandidateScore(profile, list(regions), k3, frac, 0.0)
 
     monkeypatch.setattr(verify, "_score", fake_score)
-    monkeypatch.setattr(verify, "_exact_refusal", lambda model: None)
+    monkeypatch.setattr("trl_roundalign.models.exact_refusal_for", lambda model: None)
     monkeypatch.setattr(verify, "_family_profiles", lambda model: None)
     monkeypatch.setattr(verify, "candidate_profiles", lambda info, exact=True: ([], list(exacts)))
 

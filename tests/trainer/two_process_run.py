@@ -22,9 +22,9 @@ recorded = []
 original = cb.record
 
 
-def record(train_logps, sampling_logps, mask):
+def record(train_logps, sampling_logps, mask, **kwargs):
     recorded.append((train_logps.detach().cpu(), sampling_logps.detach().cpu(), mask.detach().cpu()))
-    original(train_logps, sampling_logps, mask)
+    original(train_logps, sampling_logps, mask, **kwargs)
 
 
 cb.record = record

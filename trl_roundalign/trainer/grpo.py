@@ -608,7 +608,8 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
             mask = inputs["completion_mask"]
             if "tool_mask" in inputs:
                 mask = mask * inputs["tool_mask"]
-            cb.record(train_logps, sampling, mask, inputs.get(UNREPRODUCED_KEY))
+            codes = inputs.get(UNREPRODUCED_KEY)  # exact mode's per-token schedule codes (`unreproduced`)
+            cb.record(train_logps, sampling, mask, **({} if codes is None else {"unreproduced": codes}))
             self._roundalign_seen = {k: r for k, r in self._roundalign_seen.items() if r() is not None}
             self._roundalign_seen[id(sampling)] = weakref.ref(sampling)
         self._roundalign_captured = None
