@@ -393,7 +393,7 @@ def test_a_served_engine_whose_weights_were_packed_away_refuses_the_gloo_backend
     model.qkv_proj.cpu_linear = torch.nn.functional.linear
     _refuse_dropped_weights(model)  # a live weight: fine
     model.qkv_proj.weight = torch.nn.Parameter(torch.empty(0, dtype=torch.bfloat16), requires_grad=False)
-    with pytest.raises(RuntimeError, match=r"'qkv_proj' with its weight packed .*trl_roundalign\.weight_transfer\.serve"):
+    with pytest.raises(RuntimeError, match=r"'qkv_proj' with its weight packed .*`trl-roundalign serve`"):
         _refuse_dropped_weights(model)
 
 
