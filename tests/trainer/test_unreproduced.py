@@ -4,7 +4,8 @@ A tiny Qwen3 (head dim 128), exact regions, GRPO colocated, 4 completions of 1,0
 of 24 blocks of 128 tokens where the step's sequences need 36: vLLM preempts, frees a request's KV and prefills its
 prompt and tokens again later. Measured before the schedule record (AMD AVX2): 89.4% and 87.4% of tokens bit-identical,
 no warning, no log field. Now the step counts the tokens after each preemption (`mismatch/unreproduced_tokens/
-preempted`, from the engine's own record), and every other token is bit-identical to the sampler."""
+preempted`, from the engine's own record), and at least as many tokens are bit-identical to the sampler as were
+not counted (an aggregate bound on the step's metrics, not a per-token check)."""
 
 from __future__ import annotations
 
@@ -38,5 +39,5 @@ def test_a_preempting_engine_is_counted_per_step_and_the_rest_stays_exact(tmp_pa
     print({k: v for k, v in row.items() if k.startswith("mismatch/")})
     assert tokens == 4 * 1024
     assert 0 < unreproduced == row["mismatch/unreproduced_tokens/preempted"] < tokens
-    assert tokens - unreproduced <= bitwise < tokens  # every token it reproduces is bit-identical
+    assert tokens - unreproduced <= bitwise < tokens  # no fewer bit-identical tokens than it did not count
     assert any("(preempted;" in r.getMessage() for r in caplog.records)
