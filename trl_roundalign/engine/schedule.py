@@ -21,14 +21,16 @@ from dataclasses import dataclass, field
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from ..metrics import UNREPRODUCED_CAUSES
+
 __all__ = [
     "CAUSES", "RECORDING_SCHEDULER", "RecordingScheduler", "RequestSchedule", "UNRECORDED", "take_schedules",
 ]
 
-# Why a completion token was computed in a form the trainer did not reproduce (`mismatch/unreproduced_tokens/<cause>`:
-# `metrics.UNREPRODUCED_CAUSES`, the same names in the same order).
-CAUSES = ("preempted", "prefill_chunked", "prefix_cached", "unrecorded")
+# Why a completion token was computed in a form the trainer did not reproduce (`mismatch/unreproduced_tokens/<cause>`).
+CAUSES = UNREPRODUCED_CAUSES
 UNRECORDED = "unrecorded"  # the engine kept no record of the request (another scheduler, or none was readable)
+assert UNRECORDED in CAUSES
 RECORDING_SCHEDULER = f"{__name__}.RecordingScheduler"
 
 

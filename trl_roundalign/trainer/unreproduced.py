@@ -21,7 +21,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["UNREPRODUCED_KEY", "ScheduleCapture", "UnreproducedStep"]
 
-UNRECORDED = "unrecorded"  # `engine.schedule.UNRECORDED`: the engine kept no record of a request
+UNRECORDED = "unrecorded"  # a request the engine kept no record of (`engine.schedule.UNRECORDED`, vLLM-free here)
+assert UNRECORDED in UNREPRODUCED_CAUSES
 
 # The key of the per-token codes in the generated batch (TRL splits and shuffles it with the batch's other tensors).
 UNREPRODUCED_KEY = "roundalign_unreproduced"
