@@ -190,12 +190,12 @@ def test_no_valid_tokens(mask):
     out = token_stats(-torch.ones(shape), -torch.ones(shape), mask)
     assert set(out) == set(METRIC_KEYS)
     assert out["mismatch/tokens"] == 0.0 and out["mismatch/nan_tokens"] == 0.0
-    counts = [k for k in METRIC_KEYS if k.startswith("mismatch/unreproduced_tokens")]
+    counts = [k for k in METRIC_KEYS if k.startswith(("mismatch/unreproduced_tokens", "mismatch/reprefilled_tokens"))]
     for key in METRIC_KEYS:
         if key not in ("mismatch/tokens", "mismatch/nan_tokens", "mismatch/nonfinite_train_tokens", *counts):
             assert math.isnan(out[key]), key
     assert out["mismatch/nonfinite_train_tokens"] == 0.0
-    assert len(counts) == 5 and all(out[k] == 0.0 for k in counts)  # counts of no tokens
+    assert len(counts) == 6 and all(out[k] == 0.0 for k in counts)  # counts of no tokens
 
 
 def test_only_nan_tokens():
@@ -400,13 +400,14 @@ def test_reduce_across_two_gloo_processes():
 def test_unreproduced_tokens_are_counted_per_cause_among_valid_tokens_and_merge():
     """The per-token codes of what the engine computed in a form the trainer does not reproduce (1-based causes of
     `UNREPRODUCED_CAUSES`) count among valid tokens only, add over a merge, and change no other statistic."""
-    from trl_roundalign.metrics import UNREPRODUCED_CAUSES
+    from trl_roundalign.metrics import REPREFILLED_CODE, UNREPRODUCED_CAUSES
 
     train, infer, mask = hand_batch()
     codes = torch.zeros(train.shape, dtype=torch.int8)
     codes[0, 1:] = 1 + UNREPRODUCED_CAUSES.index("preempted")
     codes[1, :] = 1 + UNREPRODUCED_CAUSES.index("prefix_cached")
     codes[2, :] = 1 + UNREPRODUCED_CAUSES.index("unrecorded")  # padding only: not counted
+    codes[0, 0] = REPREFILLED_CODE  # reproduced through a re-prefill: counted apart, not unreproduced
     valid = (mask != 0) & torch.isfinite(train) & torch.isfinite(infer)
     s = mismatch_sums(train, infer, mask, unreproduced=codes)
     out = finalize(s)
@@ -415,10 +416,13 @@ def test_unreproduced_tokens_are_counted_per_cause_among_valid_tokens_and_merge(
     assert out["mismatch/unreproduced_tokens/preempted"] == preempted
     assert out["mismatch/unreproduced_tokens/prefix_cached"] == cached
     assert out["mismatch/unreproduced_tokens"] == preempted + cached
+    reprefilled = int((valid & (codes == REPREFILLED_CODE)).sum())
+    assert reprefilled > 0 and out["mismatch/reprefilled_tokens"] == reprefilled
     assert out["mismatch/unreproduced_tokens/prefill_chunked"] == out["mismatch/unreproduced_tokens/unrecorded"] == 0
     plain = finalize(mismatch_sums(train, infer, mask))
     assert plain["mismatch/unreproduced_tokens"] == 0
-    assert {k: v for k, v in out.items() if "unreproduced" not in k} == {
-        k: v for k, v in plain.items() if "unreproduced" not in k}
+    assert {k: v for k, v in out.items() if "reproduced" not in k and "reprefilled" not in k} == {
+        k: v for k, v in plain.items() if "reproduced" not in k and "reprefilled" not in k}
     merged = finalize(merge_sums([s, s]))
     assert merged["mismatch/unreproduced_tokens"] == 2 * (preempted + cached)
+    assert merged["mismatch/reprefilled_tokens"] == 2 * reprefilled

@@ -110,11 +110,16 @@ METRIC_DOCS: dict[str, str] = {
     "prompt's prefix came from the engine's prefix cache (only its tail was computed).",
     "mismatch/unreproduced_tokens/unrecorded": "Of `mismatch/unreproduced_tokens`: tokens of requests the engine kept "
     "no schedule record of (another scheduler class, or no readable one): counted as not reproduced.",
+    "mismatch/reprefilled_tokens": "Exact mode: of the valid tokens, those the engine computed after it preempted "
+    "their request (KV cache full) and resumed it by a whole prefill of its prompt and tokens: reproduced, by a "
+    "trainer forward of their own per stretch (what the preemption costs the trainer). 0 outside exact mode.",
 }
 
 # The causes of `mismatch/unreproduced_tokens`, in the order of their codes (1, 2, ...) in the per-token tensor
 # `mismatch_sums` takes; `engine.schedule.CAUSES` names the same.
 UNREPRODUCED_CAUSES: tuple[str, ...] = ("preempted", "prefill_chunked", "prefix_cached", "unrecorded")
+# The code, in the same tensor, of a token reproduced through its request's re-prefill (`mismatch/reprefilled_tokens`).
+REPREFILLED_CODE = -1
 
 METRIC_KEYS: tuple[str, ...] = tuple(METRIC_DOCS)
 
@@ -199,6 +204,7 @@ class MismatchSums:
             different bands raises.
         unreproduced (`tuple[int, ...]`): valid tokens computed in a form the trainer does not reproduce, one count
             per cause of `UNREPRODUCED_CAUSES`.
+        reprefilled (`int`): valid tokens reproduced through their request's re-prefill (`REPREFILLED_CODE`).
     """
 
     tokens: int = 0
@@ -217,6 +223,7 @@ class MismatchSums:
     abs_diff_counts: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
     abs_diff_bounds: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 2, dtype=torch.float32))
     unreproduced: tuple[int, ...] = (0,) * len(UNREPRODUCED_CAUSES)
+    reprefilled: int = 0
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.2
 
@@ -288,13 +295,14 @@ def mismatch_sums(
 
     d = delta[valid]
     equal = train.float()[valid] == infer.float()[valid]
-    unreproduced_counts = (0,) * len(UNREPRODUCED_CAUSES)
+    unreproduced_counts, reprefilled = (0,) * len(UNREPRODUCED_CAUSES), 0
     if unreproduced is not None:
         codes = _as_2d(unreproduced, "unreproduced").to(device=train.device)
         if codes.shape != train.shape:
             raise ValueError(f"unreproduced {tuple(codes.shape)} and log-probs {tuple(train.shape)} differ in shape.")
         codes = codes[valid].long()
         unreproduced_counts = tuple(int((codes == i + 1).sum()) for i in range(len(UNREPRODUCED_CAUSES)))
+        reprefilled = int((codes == REPREFILLED_CODE).sum())
     if d.numel() == 0:
         return MismatchSums(
             nan_tokens=nan_tokens,
@@ -339,6 +347,7 @@ def mismatch_sums(
         clip_eps_low=clip_eps_low,
         clip_eps_high=clip_eps_high,
         unreproduced=unreproduced_counts,
+        reprefilled=reprefilled,
     )
 
 
@@ -384,6 +393,7 @@ def merge_sums(sums_list: Sequence[MismatchSums]) -> MismatchSums:
         merged.ratio_max = max(merged.ratio_max, s.ratio_max)
         merged.abs_diff_max = max(merged.abs_diff_max, s.abs_diff_max)
         merged.unreproduced = tuple(a + b for a, b in zip(merged.unreproduced, s.unreproduced, strict=True))
+        merged.reprefilled += s.reprefilled
     merged.seq_log_ratios = torch.cat([s.seq_log_ratios.cpu().double() for s in sums_list])
     merged.abs_diff_buckets, merged.abs_diff_counts, merged.abs_diff_bounds = _merge_histograms(
         [(s.abs_diff_buckets, s.abs_diff_counts, s.abs_diff_bounds) for s in sums_list]
@@ -435,6 +445,7 @@ def finalize(sums: MismatchSums) -> dict[str, float]:
     out["mismatch/unreproduced_tokens"] = float(sum(sums.unreproduced))
     for cause, count in zip(UNREPRODUCED_CAUSES, sums.unreproduced, strict=True):
         out[f"mismatch/unreproduced_tokens/{cause}"] = float(count)
+    out["mismatch/reprefilled_tokens"] = float(sums.reprefilled)
     if n > 0:
         out["mismatch/kl_k1"] = sums.k1_sum / n
         out["mismatch/kl_k3"] = sums.k3_sum / n

@@ -33,7 +33,8 @@ def generate(llm, prompts, tokens):
 
 def test_prefill_alone_then_decode_is_reproduced_and_a_preemption_is_recorded():
     """Four completions of 1,024 tokens need 4 x 9 blocks; with 24 the scheduler preempts (the issue's run: 87-89% of
-    tokens bit-identical, no word); with enough blocks it does not, and every request is reproduced."""
+    tokens bit-identical, no word) and resumes each preempted request by a whole prefill of its prompt and tokens: the
+    record names each re-prefill point, which the trainer reproduces; with enough blocks it does not preempt."""
     from trl_roundalign.trainer.unreproduced import ScheduleCapture, UnreproducedStep
 
     llm = build_llm(model(), max_model_len=2048, prefill_alone=True, cache_tag="schedule",
@@ -46,16 +47,22 @@ def test_prefill_alone_then_decode_is_reproduced_and_a_preemption_is_recorded():
 
         capture = ScheduleCapture(llm)
         outputs = generate(llm, [PROMPT] * 4, 1024)
-        flags = capture.generations[-1]
-        preempted = [f for f in flags if f is not None]
-        assert preempted and all(cause == "preempted" and 0 < first < 1024 for first, cause in preempted), flags
+        forms = capture.generations[-1]
+        resumed = [starts for starts, flag in forms if starts]
+        # Resumed by a whole prefill of prompt and tokens (this engine neither chunks nor caches): reproduced.
+        assert resumed and all(flag is None for _, flag in forms), forms
+        assert all(0 < g < 1024 for starts in resumed for g in starts)
         mask = torch.ones(4, 1024, dtype=torch.long)
-        codes = capture.codes(mask)
-        for row, flag in zip(codes, flags):
-            first = 1024 if flag is None else flag[0]
-            assert (row[:first] == 0).all() and (row[first:] == 1).all()  # 1: "preempted"
+        codes, points = capture.codes(mask), capture.reprefills((4, 1024))
+        for row, points_row, (starts, _) in zip(codes, points, forms):
+            first = starts[0] if starts else 1024
+            assert (row[:first] == 0).all() and (row[first:] == -1).all()  # -1: reproduced through a re-prefill
+            assert (points_row[:first] == 0).all() and (points_row[first:] > 0).all()
+            assert [int(points_row[g]) for g in starts] == list(starts)
+        # A resumption the trainer does not reproduce (a chunk of the re-prefill) is counted and stops in one line.
+        capture.generations[-1] = [((), (700, "preempted"))] + forms[1:]
         capture.stop = True
-        with pytest.raises(UnreproducedStep, match=r"^Exact mode: \d+ completion tokens .*\(preempted;") as err:
+        with pytest.raises(UnreproducedStep, match=r"^Exact mode: 324 completion tokens .*\(preempted;") as err:
             capture.codes(mask)
         assert "\n" not in str(err.value)
     finally:

@@ -9,9 +9,9 @@ again later. The tokens computed so differ from what the trainer recomputes, by 
 `RecordingScheduler` is vLLM's V1 scheduler with one addition: as each step is scheduled, it records, per request,
 where the step's tokens start and how many there are (`RequestSchedule.steps`), and each preemption. The record is the
 engine's own account (read where the scheduler advances each request), never a guess from the configuration; the
-trainer takes it after each generation (`take_schedules`) and marks the completion tokens whose form it did not
-reproduce (`RequestSchedule.first_unreproduced`), so a step's metrics say how many and why
-(`mismatch/unreproduced_tokens`). Exact mode's colocated vLLM-CPU engine runs it (`scheduler_cls`, set by the trainer's
+trainer takes it after each generation (`take_schedules`) and reads each request's form (`RequestSchedule.form`): the
+points where a preempted request was resumed by a whole re-prefill, which it reproduces per stretch, and the first
+completion token it does not reproduce and why, so a step's metrics say how many (`mismatch/unreproduced_tokens`). Exact mode's colocated vLLM-CPU engine runs it (`scheduler_cls`, set by the trainer's
 engine plan); the engine core runs in the trainer's process there (TRL's `external_launcher`).
 """
 
@@ -44,23 +44,37 @@ class RequestSchedule:
     steps: list[tuple[int, int, int]] = field(default_factory=list)
     preemptions: list[int] = field(default_factory=list)
 
-    def first_unreproduced(self) -> tuple[int, str] | None:
-        """`(index of the first completion token not computed as the trainer recomputes it, cause)`, or None where
-        every token was: the prompt prefilled whole from position 0 in one step, then one decode step per token."""
+    def form(self) -> tuple[tuple[int, ...], tuple[int, str] | None]:
+        """`(re-prefills, first unreproduced)`. Re-prefills: for each preemption the request resumed from by a whole
+        prefill (its prompt and its `g` generated tokens from position 0, in one step), that `g`: the completion tokens
+        from the `g`-th on were computed over keys and values of that prefill, which the trainer reproduces by a forward
+        of its own per stretch (`trainer.grpo`, `unreproduced.REPREFILL_KEY`). First unreproduced: `(index of the first
+        completion token computed in a form the trainer does not reproduce, cause)`, or None where every token was:
+        the prompt prefilled whole from position 0 in one step, then one decode step per token, each resumption a whole
+        re-prefill."""
         if not self.steps:
-            return 0, UNRECORDED
+            return (), (0, UNRECORDED)
         start, n, _ = self.steps[0]
         if start > 0:
-            return 0, "prefix_cached"  # the first step computed the prompt's uncached tail only
+            return (), (0, "prefix_cached")  # the first step computed the prompt's uncached tail only
         if n < self.prompt_tokens:
-            return 0, "prefill_chunked"
+            return (), (0, "prefill_chunked")
+        reprefills: list[int] = []
         for start, n, outputs in self.steps[1:]:
             if n == 1 and start == self.prompt_tokens + outputs - 1:
                 continue  # a decode step: the newest token's keys and values, the next token sampled
-            if self.preemptions and outputs >= self.preemptions[0]:
-                return self.preemptions[0], "preempted"  # re-prefilled: the next token came from another form
-            return outputs, "prefill_chunked"  # any other multi-token step (a resumed chunk)
-        return None
+            pending = self.preemptions[len(reprefills):]
+            if start == 0 and n == self.prompt_tokens + outputs and pending and pending[0] == outputs:
+                reprefills.append(outputs)  # resumed after a preemption by a whole prefill of prompt and tokens
+                continue
+            if pending and outputs >= pending[0]:
+                return tuple(reprefills), (outputs, "preempted")  # resumed otherwise (a chunk, a cached prefix)
+            return tuple(reprefills), (outputs, "prefill_chunked")  # any other multi-token step (a resumed chunk)
+        return tuple(reprefills), None
+
+    def first_unreproduced(self) -> tuple[int, str] | None:
+        """`form()`'s second half: the first completion token the trainer does not reproduce and why, or None."""
+        return self.form()[1]
 
 
 class RecordingScheduler(Scheduler):

@@ -112,8 +112,8 @@ class RoundAlignGRPOConfig(GRPOConfig):
         default=False,
         metadata={
             "help": "Exact mode: stop the run, in one line naming the cause and what to change, at the first batch whose "
-            "completion tokens include some the engine computed in a form the trainer does not reproduce (a request "
-            "preempted when the KV cache ran short, a chunked prefill, a prefix-cache hit: by the engine's own "
+            "completion tokens include some the engine computed in a form the trainer does not reproduce (a preempted "
+            "request resumed by a chunk or a cached prefix, a chunked prefill, a prefix-cache hit: by the engine's own "
             "per-request schedule record). Off: warned once per cause and counted every step in "
             "mismatch/unreproduced_tokens."
         },

@@ -1,12 +1,22 @@
-"""Exact mode, per step: which completion tokens the engine computed in a form the trainer does not reproduce.
+"""Exact mode, per step: the form in which the engine computed each completion token, reproduced or counted.
 
 The colocated engine records each request's schedule (`engine.schedule.RecordingScheduler`). `ScheduleCapture` takes
 the records of every request of a generation, in the engine's output order (TRL's colocate mode asks one completion per
 request, so that order is the completions' order; with a TP > 1 engine each rank keeps its slice, as TRL does), and
-turns them into per-token codes of the generated batch (`UNREPRODUCED_KEY`, 0: reproduced; `i`: the cause
-`metrics.UNREPRODUCED_CAUSES[i - 1]`), which travel with the batch to the loss and into `mismatch/unreproduced_tokens`.
+turns them into two per-token tensors of the generated batch, which travel with it (TRL shuffles and splits them with
+the batch's other tensors) to the log-prob recomputation and into the metrics:
+
+- `REPREFILL_KEY`: where the engine preempted a request and resumed it by a whole prefill of its prompt and its first
+  `g` tokens, each later token's `g` (0: the first prefill). `reproduce_reprefills` recomputes the tokens of each such
+  stretch by a forward of their own over the row's first columns, with the prefill the engine ran, and puts them in
+  place of the batch forward's.
+- `UNREPRODUCED_KEY`: 0 where the token's form is reproduced (`metrics.REPREFILLED_CODE` where it is through a
+  re-prefill, `mismatch/reprefilled_tokens`), `i` for the cause `metrics.UNREPRODUCED_CAUSES[i - 1]` where it is not
+  (`mismatch/unreproduced_tokens`).
+
 Where a generation cannot be mapped to the batch's rows (a multi-turn rollout makes several generations) and any of its
-requests was not reproduced, every token of the batch is counted, as "unrecorded": fail closed, never silent.
+requests was not computed in the plain form, every token of the batch is counted, as "unrecorded": fail closed, never
+silent.
 """
 
 from __future__ import annotations
@@ -15,21 +25,24 @@ import logging
 
 import torch
 
-from ..metrics import UNREPRODUCED_CAUSES
+from ..metrics import REPREFILLED_CODE, UNREPRODUCED_CAUSES
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["UNREPRODUCED_KEY", "ScheduleCapture", "UnreproducedStep"]
+__all__ = ["REPREFILL_KEY", "UNREPRODUCED_KEY", "ScheduleCapture", "UnreproducedStep", "reproduce_reprefills"]
 
 UNRECORDED = "unrecorded"  # a request the engine kept no record of (`engine.schedule.UNRECORDED`, vLLM-free here)
 assert UNRECORDED in UNREPRODUCED_CAUSES
 
 # The key of the per-token codes in the generated batch (TRL splits and shuffles it with the batch's other tensors).
 UNREPRODUCED_KEY = "roundalign_unreproduced"
+# The key of the per-token re-prefill points in the generated batch (`ScheduleCapture.reprefills`).
+REPREFILL_KEY = "roundalign_reprefill"
 
 _WHAT_TO_DO = {
-    "preempted": "give the engine enough KV cache for a step's sequences (VLLM_CPU_KVCACHE_SPACE, "
-                 "vllm_gpu_memory_utilization) or generate fewer sequences at a time",
+    "preempted": "a preempted request resumed by a chunked or cached prefill (exact mode reproduces a whole "
+                 "re-prefill): leave chunked prefill and prefix caching to exact mode, or give the engine enough KV "
+                 "cache for a step's sequences (VLLM_CPU_KVCACHE_SPACE, vllm_gpu_memory_utilization)",
     "prefill_chunked": "leave chunked prefill to exact mode (it turns it off) or raise max_num_batched_tokens to the "
                        "context length",
     "prefix_cached": "leave prefix caching to exact mode (it turns it off)",
@@ -46,7 +59,8 @@ class ScheduleCapture:
 
     def __init__(self, llm, *, tp_size: int = 1, tp_rank: int = 0, stop: bool = False):
         self.tp_size, self.tp_rank, self.stop = int(tp_size), int(tp_rank), bool(stop)
-        self.generations: list[list[tuple[int, str] | None]] = []
+        # Per generation, per request: `RequestSchedule.form()`, `(re-prefill points, first unreproduced or None)`.
+        self.generations: list[list[tuple[tuple[int, ...], tuple[int, str] | None]]] = []
         self._warned: set[str] = set()
         from ..engine.schedule import take_schedules  # imports vLLM's scheduler
 
@@ -55,9 +69,7 @@ class ScheduleCapture:
         def generate(*args, **kwargs):
             outputs = original(*args, **kwargs)
             records = take_schedules(llm, [o.request_id for o in outputs])
-            self.generations.append([
-                (0, UNRECORDED) if r is None else r.first_unreproduced() for r in records
-            ])
+            self.generations.append([((), (0, UNRECORDED)) if r is None else r.form() for r in records])
             return outputs
 
         llm.generate = generate
@@ -66,24 +78,44 @@ class ScheduleCapture:
         """Forget earlier generations (the start-up check's, the previous batch's)."""
         self.generations = []
 
+    def _forms(self, rows: int):
+        """The forms of the `rows` completions the generations since `reset` produced, or None where they cannot be
+        mapped to the rows (not one generation of that many requests, or this rank's slice of it)."""
+        forms = self.generations[0] if len(self.generations) == 1 else None
+        if forms is not None and self.tp_size > 1 and len(forms) == rows * self.tp_size:
+            forms = forms[self.tp_rank * rows : (self.tp_rank + 1) * rows]
+        return forms if forms is not None and len(forms) == rows else None
+
+    def reprefills(self, shape: tuple[int, int]) -> torch.Tensor | None:
+        """`[B, T]` int32: per completion token, how many tokens its request had generated when the engine last
+        prefilled it (0: the prompt's prefill; `g > 0`: a whole re-prefill after a preemption). None where the
+        generations cannot be mapped to the `B` rows (`codes` then counts their tokens)."""
+        forms = self._forms(shape[0])
+        if forms is None:
+            return None
+        out = torch.zeros(shape, dtype=torch.int32)
+        for i, (starts, _) in enumerate(forms):
+            for g in starts:
+                out[i, g:] = g
+        return out
+
     def codes(self, completion_mask: torch.Tensor) -> torch.Tensor:
         """`[B, T]` int8 codes of the batch whose completions the generations since `reset` produced (0: reproduced)."""
         codes = torch.zeros(completion_mask.shape, dtype=torch.int8, device=completion_mask.device)
-        rows = completion_mask.shape[0]
-        flags = self.generations[0] if len(self.generations) == 1 else None
-        if flags is not None and self.tp_size > 1 and len(flags) == rows * self.tp_size:
-            flags = flags[self.tp_rank * rows : (self.tp_rank + 1) * rows]
-        if flags is None or len(flags) != rows:
-            if any(f is not None for g in self.generations for f in g):
+        forms = self._forms(completion_mask.shape[0])
+        if forms is None:
+            if any(starts or flag is not None for g in self.generations for starts, flag in g):
                 codes[:] = 1 + UNREPRODUCED_CAUSES.index(UNRECORDED)  # not mappable to rows: every token counted
                 self._said([UNRECORDED], int(completion_mask.sum()))
             return codes
-        for i, flag in enumerate(flags):
+        for i, (starts, flag) in enumerate(forms):
+            if starts:
+                codes[i, starts[0]:] = REPREFILLED_CODE  # reproduced through the re-prefill (`reproduce_reprefills`)
             if flag is not None:
                 first, cause = flag
                 codes[i, first:] = 1 + UNREPRODUCED_CAUSES.index(cause)
         codes *= (completion_mask != 0).to(codes.dtype)
-        if codes.any():
+        if (codes > 0).any():
             causes = [UNREPRODUCED_CAUSES[c - 1] for c in sorted(set(codes[codes > 0].tolist()))]
             self._said(causes, int((codes > 0).sum()))
         return codes
@@ -99,3 +131,35 @@ class ScheduleCapture:
         if new:
             self._warned.update(new)
             logger.warning(line)
+
+
+def reproduce_reprefills(compute, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
+                         reprefill: torch.Tensor, out: tuple):
+    """`out` (`(logps, entropies, aux)` of the batch's forward, whose completion tokens were computed as after the
+    prompt's prefill) with each re-prefilled stretch's tokens recomputed as the engine computed them.
+
+    A request the engine preempted after `g` tokens and resumed by a whole prefill of its prompt and those tokens
+    computed token `g` from that prefill's last position, and the tokens after it by decode steps over that prefill's
+    keys and values (another form than the first prefill's and the decode steps'). Per such stretch `[g, e)` of a row
+    (`e`: the next stretch's start, or the row's last completion token), `compute(ids, mask, keep)` runs the trainer's
+    exact forward of the row's columns up to token `e` with its last `keep = e - g` tokens in decode form: the first
+    `g` completion tokens are then prefilled with the prompt, as the engine's re-prefill was. One forward per stretch,
+    each over the stretch's whole prefix: what a preemption costs the trainer. The gradient flows through the forward
+    that computed each token."""
+    rows = [int(r) for r in torch.nonzero((reprefill > 0).any(dim=1)).flatten()]
+    if not rows:
+        return out
+    logps, entropies, aux = out
+    logps = logps.clone()
+    entropies = None if entropies is None else entropies.clone()
+    column = input_ids.shape[1] - int(logits_to_keep)
+    for r in rows:
+        length = int(attention_mask[r, column:].sum())  # the completion's tokens (right-padded after them)
+        starts = sorted({int(g) for g in reprefill[r, :length].tolist()} - {0})
+        for g, e in zip(starts, starts[1:] + [length]):
+            part_logps, part_entropies, _ = compute(input_ids[r : r + 1, : column + e],
+                                                    attention_mask[r : r + 1, : column + e], e - g)
+            logps[r, g:e] = part_logps[0]
+            if entropies is not None:
+                entropies[r, g:e] = part_entropies[0]
+    return logps, entropies, aux
