@@ -104,8 +104,9 @@ METRIC_DOCS: dict[str, str] = {
     "exact mode (not tracked).",
     "mismatch/unreproduced_tokens/preempted": "Of `mismatch/unreproduced_tokens`: tokens sampled after the engine "
     "preempted their request (KV cache full) and prefilled its prompt and tokens again.",
-    "mismatch/unreproduced_tokens/prefill_chunked": "Of `mismatch/unreproduced_tokens`: tokens of requests whose "
-    "prompt the engine prefilled in chunks (chunked prefill), or computed in another multi-token step.",
+    "mismatch/unreproduced_tokens/prefill_chunked": "Of `mismatch/unreproduced_tokens`: tokens the engine computed "
+    "after a multi-token step its record does not explain (a chunk that does not continue its prefill); chunked "
+    "prefills that do are reproduced.",
     "mismatch/unreproduced_tokens/prefix_cached": "Of `mismatch/unreproduced_tokens`: tokens of requests whose "
     "prompt's prefix came from the engine's prefix cache (only its tail was computed).",
     "mismatch/unreproduced_tokens/unrecorded": "Of `mismatch/unreproduced_tokens`: tokens of requests the engine kept "

@@ -48,13 +48,15 @@ def test_prefill_alone_then_decode_is_reproduced_and_a_preemption_is_recorded():
         capture = ScheduleCapture(llm)
         outputs = generate(llm, [PROMPT] * 4, 1024)
         forms = capture.generations[-1]
-        resumed = [starts for starts, flag in forms if starts]
+        resumed = [[g for g, _ in stretches[1:]] for stretches, flag in forms if len(stretches) > 1]
         # Resumed by a whole prefill of prompt and tokens (this engine neither chunks nor caches): reproduced.
         assert resumed and all(flag is None for _, flag in forms), forms
+        assert all(stretches[0] == (0, ()) and all(cuts == () for _, cuts in stretches) for stretches, _ in forms)
         assert all(0 < g < 1024 for starts in resumed for g in starts)
         mask = torch.ones(4, 1024, dtype=torch.long)
         codes, points = capture.codes(mask), capture.reprefills((4, 1024))
-        for row, points_row, (starts, _) in zip(codes, points, forms):
+        for row, points_row, (stretches, _) in zip(codes, points, forms):
+            starts = [g for g, _ in stretches[1:]]
             first = starts[0] if starts else 1024
             assert (row[:first] == 0).all() and (row[first:] == -1).all()  # -1: reproduced through a re-prefill
             assert (points_row[:first] == 0).all() and (points_row[first:] > 0).all()
@@ -71,13 +73,14 @@ def test_prefill_alone_then_decode_is_reproduced_and_a_preemption_is_recorded():
 
 def test_a_chunked_prefill_and_a_prefix_hit_are_recorded():
     """vLLM's own scheduling (chunked prefill with a 64-token budget, prefix caching): a 300-token prompt is prefilled
-    in chunks; the same prompt again starts from its cached whole blocks."""
+    in chunks, whose cuts the record gives (reproduced: the trainer computes each chunk with its past keys); the same
+    prompt again starts from its cached whole blocks (counted: not reproduced yet)."""
     llm = build_llm(model(), max_model_len=2048, cache_tag="schedule-chunked", scheduler_cls=RECORDING_SCHEDULER,
                     enable_chunked_prefill=True, max_num_batched_tokens=64, enable_prefix_caching=True)
     try:
         prompt = [10 + (i * 7) % 200 for i in range(300)]
         first = take_schedules(llm, [o.request_id for o in generate(llm, [prompt], 8)])[0]
-        assert first.first_unreproduced() == (0, "prefill_chunked") and first.steps[0] == (0, 64, 0)
+        assert first.form() == (((0, (64, 128, 192, 256)),), None) and first.steps[0] == (0, 64, 0)
         again = take_schedules(llm, [o.request_id for o in generate(llm, [prompt], 8)])[0]
         assert again.first_unreproduced() == (0, "prefix_cached") and again.steps[0][0] == 256  # two whole blocks
     finally:

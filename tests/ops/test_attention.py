@@ -301,6 +301,28 @@ def test_decode_from_must_fit_each_sequence():
     q, k, v = random_qkv([5, 3], 2, 1, 32)
     with pytest.raises(ValueError, match="decode_from must give each of the 2 sequences a prefill length"):
         vllm_cpu_attention_forward(q, k, v, scale=1.0, seq_lens=[5, 3], decode_from=[2, 4])
+    for chunks in ([(3, 2), 1], [(0, 2), 1], [(), 1], [(2, 6), 1]):  # not increasing, empty, past the sequence
+        with pytest.raises(ValueError, match="or its prefill chunks' increasing ends"):
+            vllm_cpu_attention_forward(q, k, v, scale=1.0, seq_lens=[5, 3], decode_from=chunks)
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_a_chunked_prefill_is_each_chunk_over_its_past_keys():
+    """Chunk ends in `decode_from` (vLLM's chunked prefill): each chunk is a request with past keys, so its tokens have
+    the bits of a prefill of the sequence up to the chunk's end whose earlier tokens are already cached, which is
+    not the whole prefill's tiling (so the chunks must be reproduced, not assumed away); one chunk is the plain
+    prefill; the decode tokens after the chunks read the chunks' keys and values."""
+    lens, d = [1200, 300], 128
+    q, k, v = random_qkv(lens, 4, 2, d, seed=7)
+    kw = dict(scale=d**-0.5, seq_lens=lens, kv_split=False)
+    whole = vllm_cpu_attention_forward(q, k, v, decode_from=[1100, 250], **kw)
+    assert_bitwise(vllm_cpu_attention_forward(q, k, v, decode_from=[(1100,), (250,)], **kw), whole)
+    chunked = vllm_cpu_attention_forward(q, k, v, decode_from=[(512, 1100), (250,)], **kw)
+    first = vllm_cpu_attention_forward(q[:512], k[:512], v[:512], scale=d**-0.5, seq_lens=[512])
+    assert_bitwise(chunked[:512], first)  # the first chunk is the prefill of its own tokens (not the whole one's)
+    assert_bitwise(chunked[1200:], whole[1200:])  # the other sequence is untouched
+    assert not torch.equal(chunked[512:1100], whole[512:1100])  # the second chunk is tiled otherwise (measured)
 
 
 @pytest.mark.vllm

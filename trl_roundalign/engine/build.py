@@ -191,10 +191,10 @@ def build_llm(
             process's setting. Part of the
             compile cache's folder name; read back from the loaded model into `engine_layout(llm)`'s
             `gemm_block_rows` and `gemm_min_rows`.
-        prefill_alone: prefill each prompt alone and whole (`engine.prefill`: each prompt in its own attention call,
-            no chunked prefill, no prefix caching, a step budget of at least the context length), what exact mode's
-            engine does so that a prompt of any length is reproduced; read back into the layout's
-            `attention_prefill_alone`.
+        prefill_alone: prefill each prompt alone (`engine.prefill`: each prompt in its own attention call, no prefix
+            caching; chunked prefill off and a step budget of at least the context length unless `scheduler_cls`
+            names the recording scheduler, whose chunks the trainer reproduces), what exact mode's engine does so
+            that a prompt of any length is reproduced; read back into the layout's `attention_prefill_alone`.
         **llm_kwargs: passed to `vllm.LLM` (e.g. `compilation_config`, `gpu_memory_utilization`).
 
     Returns:

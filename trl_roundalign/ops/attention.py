@@ -189,8 +189,9 @@ def vllm_cpu_attention_forward(
         num_threads: OpenMP threads for this call (`None`: the current setting, which is what an
             in-process engine uses). The engine's count is needed for bitwise equality on long sequences.
         sliding_window: the layer's window as vLLM passes it (`-1`: none), to the schedule and the kernel.
-        decode_from: per sequence, the number of its leading tokens computed as one prefill (the prompt); each later
-            token is computed as the engine's decode step computed it: one query over its prefix (the sampler's
+        decode_from: per sequence, the number of its leading tokens computed as one prefill (the prompt), or the ends
+            of the chunks that prefill was computed in (a chunked prefill: each chunk a request with past keys); each
+            later token is computed as the engine's decode step computed it: one query over its prefix (the sampler's
             form, see the module docstring). `None`: every sequence is one prefill.
         kv_split: whether the schedule may split a one-query request's keys over threads (the engine's
             `VLLM_CPU_ATTN_SPLIT_KV`); `None`: this process's vLLM setting.
@@ -219,7 +220,7 @@ def vllm_cpu_attention_forward(
 
     if kv_split is None:
         kv_split = enable_kv_split
-    num_blocks, slot_mapping = _requests(tuple(lens), tuple(prefill), block_size)[0::4]
+    num_blocks, slot_mapping = _requests(tuple(lens), prefill, block_size)[0::4]
 
     # The engine's cache layout: [blocks, kv_heads, block_size, 2 * D], keys then values per block row.
     kv_cache = torch.zeros(num_blocks, hkv, block_size, 2 * d, dtype=q.dtype)
@@ -234,7 +235,7 @@ def vllm_cpu_attention_forward(
         ops.cpu_attn_reshape_and_cache(k.contiguous(), v.contiguous(), key_cache, value_cache, slot_mapping, isa)
         # One call per group of requests, as an engine that prefills each prompt alone computes its steps
         # (`engine.prefill`): each prefill request alone, each sequence's one-query requests together.
-        for start, end, group_seq_lens, group_starts, group_table in _calls(tuple(lens), tuple(prefill), block_size, prefill_alone):
+        for start, end, group_seq_lens, group_starts, group_table in _calls(tuple(lens), prefill, block_size, prefill_alone):
             # Built right before the call: the schedule records the thread count, and the kernel checks it.
             scheduler_metadata = ops.cpu_attn_get_scheduler_metadata(
                 num_reqs=group_seq_lens.numel(),
@@ -272,21 +273,25 @@ def vllm_cpu_attention_forward(
 
 
 @functools.lru_cache(maxsize=8)
-def _requests(lens: tuple[int, ...], prefill: tuple[int, ...], block_size: int):
+def _requests(lens: tuple[int, ...], prefill: tuple[tuple[int, ...], ...], block_size: int):
     """The paged cache and the requests of one call (the same for every layer of a forward, hence cached; the
     kernel only reads them): `(num_blocks, seq_lens, query_start_loc, block_table, slot_mapping)`. Each sequence
-    has its own blocks and one prefill request of its first `prefill` tokens; in decode form each later token is a
-    one-query request whose sequence length is its prefix, over the same blocks. Queries keep the packed order."""
+    has its own blocks and one prefill request per chunk of its first tokens (`prefill`: the chunks' ends, the last
+    the prefill's length; a chunk after the first is a request with past keys, as the engine computes a chunked
+    prefill); in decode form each later token is a one-query request whose sequence length is its prefix, over the
+    same blocks. Queries keep the packed order."""
     blocks = [(s + block_size - 1) // block_size for s in lens]
     first_block = [0]
     for b in blocks[:-1]:
         first_block.append(first_block[-1] + b)
     num_blocks = first_block[-1] + blocks[-1]
     owner, req_seq_lens, req_query_lens = [], [], []
-    for i, (length, pf) in enumerate(zip(lens, prefill)):
-        owner.append(i)
-        req_seq_lens.append(pf)
-        req_query_lens.append(pf)
+    for i, (length, ends) in enumerate(zip(lens, prefill)):
+        for a, e in zip((0, *ends[:-1]), ends):
+            owner.append(i)
+            req_seq_lens.append(e)
+            req_query_lens.append(e - a)
+        pf = ends[-1]
         owner.extend([i] * (length - pf))
         req_seq_lens.extend(range(pf + 1, length + 1))
         req_query_lens.extend([1] * (length - pf))
@@ -305,7 +310,7 @@ def _requests(lens: tuple[int, ...], prefill: tuple[int, ...], block_size: int):
 
 
 @functools.lru_cache(maxsize=8)
-def _calls(lens: tuple[int, ...], prefill: tuple[int, ...], block_size: int, alone: bool = True):
+def _calls(lens: tuple[int, ...], prefill: tuple[tuple[int, ...], ...], block_size: int, alone: bool = True):
     """The kernel calls of one forward (`engine.prefill.request_groups` over `_requests`' requests): per call
     `(first token, end token, seq_lens, query_start_loc, block_table)`, the offsets rebased to the call."""
     from ..engine.prefill import request_groups
@@ -319,15 +324,19 @@ def _calls(lens: tuple[int, ...], prefill: tuple[int, ...], block_size: int, alo
     ]
 
 
-def _check_decode_from(decode_from: Sequence[int] | None, lens: list[int]) -> list[int]:
-    """Each sequence's prefill length: its `decode_from` entry (1 to its length), or the whole sequence."""
+def _check_decode_from(decode_from: Sequence | None, lens: list[int]) -> tuple[tuple[int, ...], ...]:
+    """Each sequence's prefill as its chunks' ends: its `decode_from` entry (a length from 1 to the sequence's, one
+    chunk; or the increasing ends of its chunks, the last the prefill's length), or the whole sequence."""
     if decode_from is None:
-        return list(lens)
-    prefill = [int(p) for p in decode_from]
-    if len(prefill) != len(lens) or any(not 1 <= p <= n for p, n in zip(prefill, lens)):
+        return tuple((n,) for n in lens)
+    prefill = tuple(tuple(int(e) for e in p) if isinstance(p, (tuple, list)) else (int(p),) for p in decode_from)
+    if len(prefill) != len(lens) or any(
+        not ends or not all(a < b for a, b in zip((0, *ends[:-1]), ends)) or ends[-1] > n
+        for ends, n in zip(prefill, lens)
+    ):
         raise ValueError(
             f"decode_from must give each of the {len(lens)} sequences a prefill length from 1 to its length "
-            f"({lens}); got {prefill}."
+            f"({lens}), or its prefill chunks' increasing ends; got {list(decode_from)}."
         )
     return prefill
 
@@ -443,17 +452,22 @@ def vllm_cpu_attention(
 
 
 # The column from which the tokens of a batch were generated (TRL's prompt + completion layout: the completions
-# are the last `logits_to_keep` columns). Set by `sampled_from`; read by `hf_attention_interface`.
-_DECODE_FROM_COLUMN: contextvars.ContextVar[int | None] = contextvars.ContextVar("roundalign_decode_from", default=None)
+# are the last `logits_to_keep` columns), and per batch row the cuts of its chunked prefill. Set by `sampled_from`;
+# read by `hf_attention_interface`.
+_DECODE_FROM_COLUMN: contextvars.ContextVar[tuple[int, tuple[tuple[int, ...], ...] | None] | None] = (
+    contextvars.ContextVar("roundalign_decode_from", default=None))
 
 
 @contextlib.contextmanager
-def sampled_from(column: int):
+def sampled_from(column: int, cuts: Sequence[Sequence[int]] | None = None):
     """Inside: `hf_attention_interface` computes every query token at `column` or later (the completion tokens a
     sampler generated) in decode form, as the engine's decode steps computed them, one query over its prefix with
-    the keys kept on one thread (no KV split); the tokens before it (the prompt) as one prefill per sequence.
-    Outside, and for sequences that start at or after `column`, every sequence is one prefill."""
-    token = _DECODE_FROM_COLUMN.set(int(column))
+    the keys kept on one thread (no KV split); the tokens before it (the prompt) as one prefill per sequence, or,
+    where `cuts` gives a batch row's chunk boundaries (positions from its first real token, inside its prefill), as
+    the chunks the engine's chunked prefill computed, each a request with past keys. Outside, and for sequences
+    that start at or after `column`, every sequence is one prefill."""
+    rows = None if cuts is None else tuple(tuple(sorted(int(c) for c in row)) for row in cuts)
+    token = _DECODE_FROM_COLUMN.set((int(column), rows))
     try:
         yield
     finally:
@@ -585,9 +599,9 @@ _PLAN_CACHE: dict[str, object] = {}
 
 def _packing_plan(
     attention_mask: torch.Tensor | None, batch: int, seq_len: int
-) -> tuple[list[int], torch.Tensor, torch.Tensor, list[int]]:
-    """`(seq_lens, row_index, position, starts)`: the packed order of every sequence's tokens in the batch, and
-    each sequence's first column."""
+) -> tuple[list[int], torch.Tensor, torch.Tensor, list[int], list[int]]:
+    """`(seq_lens, row_index, position, starts, rows)`: the packed order of every sequence's tokens in the batch, and
+    each sequence's first column and batch row."""
     key = (batch, seq_len)
     cached = _PLAN_CACHE.get("mask", _PLAN_CACHE)
     if (
@@ -604,7 +618,7 @@ def _packing_plan(
         row_idx = torch.cat([torch.full((n,), row, dtype=torch.long) for row, _, n in flat])
     else:
         pos = row_idx = torch.empty(0, dtype=torch.long)
-    plan = (lens, row_idx, pos, [a for _, a, _ in flat])
+    plan = (lens, row_idx, pos, [a for _, a, _ in flat], [row for row, _, _ in flat])
     _PLAN_CACHE.clear()
     _PLAN_CACHE.update(
         key=key,
@@ -670,14 +684,21 @@ def hf_attention_interface(
         )
     scale = float(scaling) if scaling is not None else d**-0.5
 
-    lens, row_idx, pos, starts = _packing_plan(attention_mask, batch, q_len)
+    lens, row_idx, pos, starts, rows = _packing_plan(attention_mask, batch, q_len)
     out = query.new_zeros(batch, q_len, hq, d)
     if not lens:
         return out, None
     decode_from, kv_split = None, None
-    column = _DECODE_FROM_COLUMN.get()
-    if column is not None:
+    sampled = _DECODE_FROM_COLUMN.get()
+    if sampled is not None:
+        column, cuts = sampled
         decode_from = [min(max(column - a, 1), n) for a, n in zip(starts, lens)]
+        if cuts is not None:
+            if len(cuts) != batch or len(set(rows)) != len(rows):
+                raise ValueError(
+                    f"chunked-prefill cuts are given per batch row ({len(cuts)} for {batch} rows) and need one "
+                    "sequence per row (a padding mask, not packed sequences).")
+            decode_from = [(*(c for c in cuts[row] if 0 < c < pf), pf) for row, pf in zip(rows, decode_from)]
         kv_split = False
     q_packed = query.transpose(1, 2)[row_idx, pos]  # [N, Hq, D]
     k_packed = key.transpose(1, 2)[row_idx, pos]

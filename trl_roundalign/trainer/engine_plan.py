@@ -101,11 +101,12 @@ def plan_engine(model, args) -> EnginePlan:
     plan.max_model_len = int(args.vllm_max_model_length or model_context_length(config))  # what TRL's engine gets
     if cpu and "attention" in args.roundalign_regions:  # exact mode recomputes each sampled token
         keep_decode_keys_on_one_thread()  # as its decode step did, and each prompt as its lone prefill did
-        prefill_alone_engine_kwargs(kwargs, plan.max_model_len, config)
-        # Each request's schedule, recorded by the engine: what the trainer could not reproduce is counted per step.
+        # Each request's schedule, recorded by the engine: the trainer reproduces its chunks and re-prefills, and
+        # counts per step what it could not reproduce; vLLM's chunking then stands (`prefill_alone_engine_kwargs`).
         from ..engine.schedule import RECORDING_SCHEDULER
 
         kwargs.setdefault("scheduler_cls", RECORDING_SCHEDULER)
+        prefill_alone_engine_kwargs(kwargs, plan.max_model_len, config)
     if cpu:  # before the engine loads: its linears (our dispatcher) take the decided schedule
         plan.gemm_schedule, plan.gemm_report = decide_gemm_schedule(config, args, kwargs, plan.max_model_len)
         if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:

@@ -45,7 +45,7 @@ from .logprobs import sampler_logprobs
 from .logprobs import supports as logprobs_supports
 from .masters import MasterWeightsOptimizer, aligned_fsdp2_policy, distributed_precision, noop_comm_hook
 from .options import check_dtypes, check_options
-from .unreproduced import REPREFILL_KEY, UNREPRODUCED_KEY, reproduce_reprefills
+from .unreproduced import CUTS_KEY, REPREFILL_KEY, UNREPRODUCED_KEY, reproduce_reprefills, row_cuts
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
         self._roundalign_capture = False
         self._roundalign_horizon = None  # exact mode's prompt limit (`startup_check.PromptHorizon`), set at start-up
         self._roundalign_schedule = None  # exact mode's schedule records per generation (`unreproduced.ScheduleCapture`)
-        self._roundalign_reprefill = None  # the batch's re-prefill points while its log-probs are computed
+        self._roundalign_reprefill = (None, None)  # the batch's re-prefill points and cuts while its log-probs are computed
         self._roundalign_generating = False
         self._roundalign_seen: dict[int, weakref.ref] = {}
         self._mismatch_callback: MismatchCallback | None = None
@@ -554,8 +554,9 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ mismatch capture
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-        out = self._logps_in_form(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
-        reprefill = self._reprefills_of(input_ids.shape[0], int(logits_to_keep))
+        reprefill, cuts = self._schedule_of(input_ids.shape[0], int(logits_to_keep))
+        main_cuts = None if cuts is None else [row_cuts(cuts, r, 0) for r in range(input_ids.shape[0])]
+        out = self._logps_in_form(model, input_ids, attention_mask, logits_to_keep, *args, cuts=main_cuts, **kwargs)
         if reprefill is not None and bool((reprefill > 0).any()):
             entropy = bool(kwargs.get("compute_entropy", args[1] if len(args) > 1 else False))
             if any(kwargs.get(k) is not None for k in ("pixel_values", "token_type_ids", "mm_token_type_ids")):
@@ -563,32 +564,37 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
                     "exact mode: the engine preempted and re-prefilled a multimodal request; the trainer reproduces "
                     "re-prefills of text requests only. Give the engine enough KV cache for a step's sequences.")
             out = reproduce_reprefills(
-                lambda ids, mask, keep: self._logps_in_form(model, ids, mask, keep, compute_entropy=entropy),
-                input_ids, attention_mask, int(logits_to_keep), reprefill.to(input_ids.device), out)
+                lambda ids, mask, keep, c: self._logps_in_form(model, ids, mask, keep, compute_entropy=entropy, cuts=c),
+                input_ids, attention_mask, int(logits_to_keep), reprefill.to(input_ids.device), out, cuts)
         if self._roundalign_capture:
             self._roundalign_captured = out[0].detach()
         return out
 
-    def _logps_in_form(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-        """TRL's log-probs, with the completions (the last `logits_to_keep` columns) in the engine's decode form."""
+    def _logps_in_form(self, model, input_ids, attention_mask, logits_to_keep, *args, cuts=None, **kwargs):
+        """TRL's log-probs, with the completions (the last `logits_to_keep` columns) in the engine's decode form and
+        each row's prefill in the chunks `cuts` gives (`unreproduced.CUTS_KEY`)."""
         with contextlib.ExitStack() as scope:
             if getattr(self, "_roundalign_sampler_logprobs", False):
                 scope.enter_context(sampler_logprobs(self._gemm_schedule))
             if "attention" in self.args.roundalign_regions and self.roundalign_engine is not None:
                 # The completions (the last `logits_to_keep` columns) were sampled one decode step per token.
-                scope.enter_context(sampled_from(input_ids.shape[1] - int(logits_to_keep)))
+                column = input_ids.shape[1] - int(logits_to_keep)
+                scope.enter_context(sampled_from(column, None if cuts is None or not any(cuts) else cuts))
                 if (horizon := getattr(self, "_roundalign_horizon", None)) is not None:
-                    horizon.check(attention_mask, input_ids.shape[1] - int(logits_to_keep))
+                    horizon.check(attention_mask, column)
             return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
 
-    def _reprefills_of(self, rows: int, logits_to_keep: int):
-        """The re-prefill points (`unreproduced.REPREFILL_KEY`) of the rows whose log-probs are being computed: the
-        training batch's (`_compute_loss`), or, while a batch is generated (TRL's old and reference log-probs), the
-        generation's own; None where there are none."""
-        reprefill = self._roundalign_reprefill
+    def _schedule_of(self, rows: int, logits_to_keep: int):
+        """`(re-prefill points, prefill cuts)` (`unreproduced.REPREFILL_KEY`, `CUTS_KEY`) of the rows whose log-probs
+        are being computed: the training batch's (`_compute_loss`), or, while a batch is generated (TRL's old and
+        reference log-probs), the generation's own; None for each where there are none."""
+        reprefill, cuts = self._roundalign_reprefill
         if reprefill is None and self._roundalign_generating and self._roundalign_schedule is not None:
             reprefill = self._roundalign_schedule.reprefills((rows, logits_to_keep))
-        return reprefill if reprefill is not None and tuple(reprefill.shape) == (rows, logits_to_keep) else None
+            cuts = self._roundalign_schedule.cuts(rows)
+        if reprefill is None or tuple(reprefill.shape) != (rows, logits_to_keep):
+            return None, None
+        return reprefill, cuts if cuts is not None and cuts.shape[0] == rows else None
 
     def _capture_schedules(self):
         """Exact mode's colocated engine records each request's schedule; capture it with every generation."""
@@ -612,9 +618,10 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
             self._roundalign_generating = False
         if capture is not None and self.model.training:
             out[UNREPRODUCED_KEY] = capture.codes(out["completion_mask"])
-            reprefill = capture.reprefills(tuple(out["completion_mask"].shape))
+            reprefill, cuts = capture.reprefills(tuple(out["completion_mask"].shape)), capture.cuts(len(out["completion_mask"]))
             if reprefill is not None:
                 out[REPREFILL_KEY] = reprefill.to(out["completion_mask"].device)
+                out[CUTS_KEY] = cuts.to(out["completion_mask"].device)
         return out
 
     def _seen(self, t: torch.Tensor) -> bool:
@@ -629,12 +636,12 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
         want = cb is not None and self.model.training and sampling is not None and not self._seen(sampling)
         self._roundalign_capture = want and inputs.get("old_per_token_logps") is None
         self._roundalign_captured = None
-        self._roundalign_reprefill = inputs.get(REPREFILL_KEY)
+        self._roundalign_reprefill = (inputs.get(REPREFILL_KEY), inputs.get(CUTS_KEY))
         try:
             loss = super()._compute_loss(model, inputs)
         finally:
             self._roundalign_capture = False
-            self._roundalign_reprefill = None
+            self._roundalign_reprefill = (None, None)
         if want:
             train_logps = inputs.get("old_per_token_logps")
             if train_logps is None:

@@ -10,6 +10,9 @@ the batch's other tensors) to the log-prob recomputation and into the metrics:
   `g` tokens, each later token's `g` (0: the first prefill). `reproduce_reprefills` recomputes the tokens of each such
   stretch by a forward of their own over the row's first columns, with the prefill the engine ran, and puts them in
   place of the batch forward's.
+- `CUTS_KEY`: `[B, M, 2]`, per row the `(g, position)` pairs where the engine cut the prefill of stretch `g` into
+  chunks (chunked prefill; positions from the row's first prompt token; `(-1, -1)` pads): the trainer computes each
+  chunk as a request with past keys (`ops.attention.sampled_from`).
 - `UNREPRODUCED_KEY`: 0 where the token's form is reproduced (`metrics.REPREFILLED_CODE` where it is through a
   re-prefill, `mismatch/reprefilled_tokens`), `i` for the cause `metrics.UNREPRODUCED_CAUSES[i - 1]` where it is not
   (`mismatch/unreproduced_tokens`).
@@ -29,7 +32,8 @@ from ..metrics import REPREFILLED_CODE, UNREPRODUCED_CAUSES
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["REPREFILL_KEY", "UNREPRODUCED_KEY", "ScheduleCapture", "UnreproducedStep", "reproduce_reprefills"]
+__all__ = ["CUTS_KEY", "REPREFILL_KEY", "UNREPRODUCED_KEY", "ScheduleCapture", "UnreproducedStep", "reproduce_reprefills",
+           "row_cuts"]
 
 UNRECORDED = "unrecorded"  # a request the engine kept no record of (`engine.schedule.UNRECORDED`, vLLM-free here)
 assert UNRECORDED in UNREPRODUCED_CAUSES
@@ -38,12 +42,15 @@ assert UNRECORDED in UNREPRODUCED_CAUSES
 UNREPRODUCED_KEY = "roundalign_unreproduced"
 # The key of the per-token re-prefill points in the generated batch (`ScheduleCapture.reprefills`).
 REPREFILL_KEY = "roundalign_reprefill"
+# The key of the per-row chunk cuts of each prefill in the generated batch (`ScheduleCapture.cuts`).
+CUTS_KEY = "roundalign_prefill_cuts"
 
 _WHAT_TO_DO = {
     "preempted": "a preempted request resumed by a chunked or cached prefill (exact mode reproduces a whole "
                  "re-prefill): leave chunked prefill and prefix caching to exact mode, or give the engine enough KV "
                  "cache for a step's sequences (VLLM_CPU_KVCACHE_SPACE, vllm_gpu_memory_utilization)",
-    "prefill_chunked": "leave chunked prefill to exact mode (it turns it off) or raise max_num_batched_tokens to the "
+    "prefill_chunked": "report the engine's schedule record (a multi-token step that continues no prefill), or turn "
+                       "chunked prefill off (enable_chunked_prefill=False) and raise max_num_batched_tokens to the "
                        "context length",
     "prefix_cached": "leave prefix caching to exact mode (it turns it off)",
     UNRECORDED: "leave vllm_engine_kwargs['scheduler_cls'] unset (exact mode's engine records each request's schedule)",
@@ -59,8 +66,8 @@ class ScheduleCapture:
 
     def __init__(self, llm, *, tp_size: int = 1, tp_rank: int = 0, stop: bool = False):
         self.tp_size, self.tp_rank, self.stop = int(tp_size), int(tp_rank), bool(stop)
-        # Per generation, per request: `RequestSchedule.form()`, `(re-prefill points, first unreproduced or None)`.
-        self.generations: list[list[tuple[tuple[int, ...], tuple[int, str] | None]]] = []
+        # Per generation, per request: `RequestSchedule.form()`, `(stretches, first unreproduced or None)`.
+        self.generations: list[list[tuple[tuple[tuple[int, tuple[int, ...]], ...], tuple[int, str] | None]]] = []
         self._warned: set[str] = set()
         from ..engine.schedule import take_schedules  # imports vLLM's scheduler
 
@@ -94,9 +101,23 @@ class ScheduleCapture:
         if forms is None:
             return None
         out = torch.zeros(shape, dtype=torch.int32)
-        for i, (starts, _) in enumerate(forms):
-            for g in starts:
+        for i, (stretches, _) in enumerate(forms):
+            for g, _ in stretches:
                 out[i, g:] = g
+        return out
+
+    def cuts(self, rows: int) -> torch.Tensor | None:
+        """`[rows, M, 2]` int32: per row the `(g, position)` pairs where the engine cut stretch `g`'s prefill into
+        chunks, `(-1, -1)` after them (`M`: the most of any row; 0 where nothing was chunked). None where the
+        generations cannot be mapped to the rows."""
+        forms = self._forms(rows)
+        if forms is None:
+            return None
+        pairs = [[(g, c) for g, cuts in stretches for c in cuts] for stretches, _ in forms]
+        out = torch.full((rows, max(map(len, pairs), default=0), 2), -1, dtype=torch.int32)
+        for i, row in enumerate(pairs):
+            if row:
+                out[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
         return out
 
     def codes(self, completion_mask: torch.Tensor) -> torch.Tensor:
@@ -104,13 +125,14 @@ class ScheduleCapture:
         codes = torch.zeros(completion_mask.shape, dtype=torch.int8, device=completion_mask.device)
         forms = self._forms(completion_mask.shape[0])
         if forms is None:
-            if any(starts or flag is not None for g in self.generations for starts, flag in g):
+            if any(len(stretches) > 1 or any(c for _, c in stretches) or flag is not None
+                   for g in self.generations for stretches, flag in g):
                 codes[:] = 1 + UNREPRODUCED_CAUSES.index(UNRECORDED)  # not mappable to rows: every token counted
                 self._said([UNRECORDED], int(completion_mask.sum()))
             return codes
-        for i, (starts, flag) in enumerate(forms):
-            if starts:
-                codes[i, starts[0]:] = REPREFILLED_CODE  # reproduced through the re-prefill (`reproduce_reprefills`)
+        for i, (stretches, flag) in enumerate(forms):
+            if len(stretches) > 1:  # reproduced through a re-prefill (`reproduce_reprefills`)
+                codes[i, stretches[1][0]:] = REPREFILLED_CODE
             if flag is not None:
                 first, cause = flag
                 codes[i, first:] = 1 + UNREPRODUCED_CAUSES.index(cause)
@@ -133,19 +155,27 @@ class ScheduleCapture:
             logger.warning(line)
 
 
+def row_cuts(cuts: torch.Tensor | None, row: int, g: int) -> tuple[int, ...]:
+    """The chunk cuts of stretch `g`'s prefill in `row` of a `CUTS_KEY` tensor (empty: one whole prefill)."""
+    if cuts is None or cuts.shape[1] == 0:
+        return ()
+    pairs = cuts[row]
+    return tuple(int(c) for c in pairs[pairs[:, 0] == g][:, 1].tolist())
+
+
 def reproduce_reprefills(compute, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
-                         reprefill: torch.Tensor, out: tuple):
+                         reprefill: torch.Tensor, out: tuple, cuts: torch.Tensor | None = None):
     """`out` (`(logps, entropies, aux)` of the batch's forward, whose completion tokens were computed as after the
     prompt's prefill) with each re-prefilled stretch's tokens recomputed as the engine computed them.
 
     A request the engine preempted after `g` tokens and resumed by a whole prefill of its prompt and those tokens
     computed token `g` from that prefill's last position, and the tokens after it by decode steps over that prefill's
     keys and values (another form than the first prefill's and the decode steps'). Per such stretch `[g, e)` of a row
-    (`e`: the next stretch's start, or the row's last completion token), `compute(ids, mask, keep)` runs the trainer's
-    exact forward of the row's columns up to token `e` with its last `keep = e - g` tokens in decode form: the first
-    `g` completion tokens are then prefilled with the prompt, as the engine's re-prefill was. One forward per stretch,
-    each over the stretch's whole prefix: what a preemption costs the trainer. The gradient flows through the forward
-    that computed each token."""
+    (`e`: the next stretch's start, or the row's last completion token), `compute(ids, mask, keep, cuts)` runs the
+    trainer's exact forward of the row's columns up to token `e` with its last `keep = e - g` tokens in decode form:
+    the first `g` completion tokens are then prefilled with the prompt, as the engine's re-prefill was (in the chunks
+    `cuts` where it chunked it, `CUTS_KEY`). One forward per stretch, each over the stretch's whole prefix: what a
+    preemption costs the trainer. The gradient flows through the forward that computed each token."""
     rows = [int(r) for r in torch.nonzero((reprefill > 0).any(dim=1)).flatten()]
     if not rows:
         return out
@@ -158,7 +188,8 @@ def reproduce_reprefills(compute, input_ids: torch.Tensor, attention_mask: torch
         starts = sorted({int(g) for g in reprefill[r, :length].tolist()} - {0})
         for g, e in zip(starts, starts[1:] + [length]):
             part_logps, part_entropies, _ = compute(input_ids[r : r + 1, : column + e],
-                                                    attention_mask[r : r + 1, : column + e], e - g)
+                                                    attention_mask[r : r + 1, : column + e], e - g,
+                                                    [row_cuts(cuts, r, g)])
             logps[r, g:e] = part_logps[0]
             if entropies is not None:
                 entropies[r, g:e] = part_entropies[0]
