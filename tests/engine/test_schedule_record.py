@@ -33,8 +33,9 @@ def generate(llm, prompts, tokens):
 
 def test_prefill_alone_then_decode_is_reproduced_and_a_preemption_is_recorded():
     """Four completions of 1,024 tokens need 4 x 9 blocks; with 24 the scheduler preempts (the issue's run: 87-89% of
-    tokens bit-identical, no word) and resumes each preempted request by a whole prefill of its prompt and tokens: the
-    record names each re-prefill point, which the trainer reproduces; with enough blocks it does not preempt."""
+    tokens bit-identical, no word) and resumes each preempted request by a prefill of its prompt and tokens (from its
+    own blocks where they are still cached): the record names each re-prefill point and its form, which the trainer
+    reproduces; with enough blocks it does not preempt."""
     from trl_roundalign.trainer.unreproduced import ScheduleCapture, UnreproducedStep
 
     llm = build_llm(model(), max_model_len=2048, prefill_alone=True, cache_tag="schedule",
@@ -51,7 +52,10 @@ def test_prefill_alone_then_decode_is_reproduced_and_a_preemption_is_recorded():
         resumed = [[g for g, _ in stretches[1:]] for stretches, flag in forms if len(stretches) > 1]
         # Resumed by a whole prefill of prompt and tokens (this engine neither chunks nor caches): reproduced.
         assert resumed and all(flag is None for _, flag in forms), forms
-        assert all(stretches[0] == (0, ()) and all(cuts == () for _, cuts in stretches) for stretches, _ in forms)
+        assert all(stretches[0] == (0, ()) for stretches, _ in forms)
+        # A re-prefill may start from the request's own blocks, still cached: it inherits where their computations
+        # started (the prompt's end and every decode step's position inside them).
+        assert all(all(c < len(PROMPT) + g for c in cuts) for stretches, _ in forms for g, cuts in stretches[1:])
         assert all(0 < g < 1024 for starts in resumed for g in starts)
         mask = torch.ones(4, 1024, dtype=torch.long)
         codes, points = capture.codes(mask), capture.reprefills((4, 1024))
@@ -74,7 +78,7 @@ def test_prefill_alone_then_decode_is_reproduced_and_a_preemption_is_recorded():
 def test_a_chunked_prefill_and_a_prefix_hit_are_recorded():
     """vLLM's own scheduling (chunked prefill with a 64-token budget, prefix caching): a 300-token prompt is prefilled
     in chunks, whose cuts the record gives (reproduced: the trainer computes each chunk with its past keys); the same
-    prompt again starts from its cached whole blocks (counted: not reproduced yet)."""
+    prompt again starts from its cached whole blocks, inheriting where their computations started."""
     llm = build_llm(model(), max_model_len=2048, cache_tag="schedule-chunked", scheduler_cls=RECORDING_SCHEDULER,
                     enable_chunked_prefill=True, max_num_batched_tokens=64, enable_prefix_caching=True)
     try:
@@ -82,6 +86,9 @@ def test_a_chunked_prefill_and_a_prefix_hit_are_recorded():
         first = take_schedules(llm, [o.request_id for o in generate(llm, [prompt], 8)])[0]
         assert first.form() == (((0, (64, 128, 192, 256)),), None) and first.steps[0] == (0, 64, 0)
         again = take_schedules(llm, [o.request_id for o in generate(llm, [prompt], 8)])[0]
-        assert again.first_unreproduced() == (0, "prefix_cached") and again.steps[0][0] == 256  # two whole blocks
+        # From two whole cached blocks; the first request's chunks started inside them at 64 and 192: inherited.
+        assert again.steps[0][0] == 256 and again.inherited == {0: (64, 192)}
+        assert again.form() == (((0, (64, 192, 256)),), None)
+        assert again.prefill_tokens() == (44, 256) and first.prefill_tokens() == (300, 0)
     finally:
         close_llm(llm)

@@ -309,20 +309,27 @@ def test_decode_from_must_fit_each_sequence():
 @pytest.mark.vllm
 @needs_vllm
 def test_a_chunked_prefill_is_each_chunk_over_its_past_keys():
-    """Chunk ends in `decode_from` (vLLM's chunked prefill): each chunk is a request with past keys, so its tokens have
-    the bits of a prefill of the sequence up to the chunk's end whose earlier tokens are already cached, which is
-    not the whole prefill's tiling (so the chunks must be reproduced, not assumed away); one chunk is the plain
-    prefill; the decode tokens after the chunks read the chunks' keys and values."""
+    """Chunk ends in `decode_from` (vLLM's chunked prefill, a prefix hit's tail): each chunk is a request with past
+    keys, and every prefill request is cut at the KV cache's block boundaries (`engine.prefill.block_pieces`, what exact
+    mode's engine computes). Without the pieces, the first 512 tokens of a 1,200-token prefill differ from a prefill of
+    those 512 alone (the kernel tiles a request by its own length: measured 4 and 7 outputs on AMD AVX2 with 1 and 2
+    threads), so a cached block's bits would depend on how far its request went on. With them, a chunk cut at a block
+    boundary changes nothing, one cut inside a block does (its own request), and a chunk's tokens are those of a
+    prefill of the sequence up to its end."""
     lens, d = [1200, 300], 128
     q, k, v = random_qkv(lens, 4, 2, d, seed=7)
     kw = dict(scale=d**-0.5, seq_lens=lens, kv_split=False)
     whole = vllm_cpu_attention_forward(q, k, v, decode_from=[1100, 250], **kw)
     assert_bitwise(vllm_cpu_attention_forward(q, k, v, decode_from=[(1100,), (250,)], **kw), whole)
-    chunked = vllm_cpu_attention_forward(q, k, v, decode_from=[(512, 1100), (250,)], **kw)
-    first = vllm_cpu_attention_forward(q[:512], k[:512], v[:512], scale=d**-0.5, seq_lens=[512])
-    assert_bitwise(chunked[:512], first)  # the first chunk is the prefill of its own tokens (not the whole one's)
-    assert_bitwise(chunked[1200:], whole[1200:])  # the other sequence is untouched
-    assert not torch.equal(chunked[512:1100], whole[512:1100])  # the second chunk is tiled otherwise (measured)
+    assert_bitwise(vllm_cpu_attention_forward(q, k, v, decode_from=[(512, 1100), (250,)], **kw), whole)
+    inside = vllm_cpu_attention_forward(q, k, v, decode_from=[(500, 1100), (250,)], **kw)
+    assert not torch.equal(inside[500:1100], whole[500:1100])
+    first = vllm_cpu_attention_forward(q[:500], k[:500], v[:500], scale=d**-0.5, seq_lens=[500])
+    assert_bitwise(inside[:500], first)
+    assert_bitwise(inside[1200:], whole[1200:])  # the other sequence is untouched
+    unpieced = vllm_cpu_attention_forward(q, k, v, decode_from=[1100, 250], prefill_alone=False, **kw)
+    alone = vllm_cpu_attention_forward(q[:512], k[:512], v[:512], scale=d**-0.5, seq_lens=[512], prefill_alone=False)
+    assert not torch.equal(unpieced[:512], alone)
 
 
 @pytest.mark.vllm

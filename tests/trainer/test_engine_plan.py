@@ -44,17 +44,18 @@ def test_exact_mode_prefills_each_prompt_alone_and_keeps_decode_keys_on_one_thre
 
     plan = plan_engine(str(tiny_model("qwen3")), args(tmp_path, roundalign_regions=EXACT))
     kw = plan.engine_kwargs
-    assert kw["enable_prefix_caching"] is False and kw["additional_config"]["roundalign_prefill_alone"] is True
-    # The engine records each request's schedule, so vLLM's chunked prefill and step budget stand (reproduced).
+    assert kw["additional_config"]["roundalign_prefill_alone"] is True
+    # The engine records each request's schedule, so vLLM's chunked prefill, step budget and prefix caching stand.
     assert kw["scheduler_cls"] == "trl_roundalign.engine.schedule.RecordingScheduler"
-    assert "enable_chunked_prefill" not in kw and "max_num_batched_tokens" not in kw
+    assert not {"enable_chunked_prefill", "max_num_batched_tokens", "enable_prefix_caching"} & set(kw)
     assert os.environ[KV_SPLIT_ENV] == "0"
     assert plan.gemm_report is not None and plan.gemm_schedule is not None
     # A scheduler of the user's own records nothing: every prompt is then prefilled whole, in one step.
     plan = plan_engine(str(tiny_model("qwen3")), args(tmp_path, roundalign_regions=EXACT, vllm_engine_kwargs={
         "scheduler_cls": "vllm.v1.core.sched.scheduler.Scheduler"}))
     kw = plan.engine_kwargs
-    assert kw["enable_chunked_prefill"] is False and kw["max_num_batched_tokens"] >= 256
+    assert kw["enable_chunked_prefill"] is False and kw["enable_prefix_caching"] is False
+    assert kw["max_num_batched_tokens"] >= 256
 
 
 def test_what_the_user_sets_wins(tmp_path, env):

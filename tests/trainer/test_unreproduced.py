@@ -10,6 +10,7 @@ the sampler; the step says how many tokens came through a re-prefill (`mismatch/
 from __future__ import annotations
 
 import json
+
 import pytest
 from helpers.trainer import make_config, varied_reward
 
@@ -71,3 +72,53 @@ def test_vllms_chunked_prefill_is_reproduced_bit_for_bit(tmp_path, closing):
     print({k: v for k, v in row.items() if k.startswith("mismatch/")})
     assert row["mismatch/tokens"] == 8 * 64 and row["mismatch/unreproduced_tokens"] == 0
     assert row["mismatch/frac_bitwise_equal"] == 1.0 and row["mismatch/kl_k3"] == 0.0
+
+
+@pytest.mark.parametrize("budget", [None, 200], ids=["vllm-defaults", "budget-200"])
+def test_prefix_caching_is_reproduced_bit_for_bit(tmp_path, closing, budget):
+    """vLLM's defaults (chunked prefill, TRL's step budget of 4,096, prefix caching on): the copies of a GRPO prompt
+    after the first take its whole blocks from the prefix cache (512 of about 570 tokens here) and prefill only the
+    tail. The engine cuts every prefill at the cache's block boundaries, so a cached block's bits depend only on the
+    tokens up to it and where computations started inside it, which the scheduler notes per block and a hit inherits;
+    the trainer computes each copy's prompt in those pieces. With a 200-token budget the first copy's chunks start
+    inside blocks (200, 400), and the copies inherit them. Measured without the inherited starts (AMD AVX2): 67.6% and
+    75.0% of tokens bit-identical; with the engine's prefills not cut at block boundaries: 11.3%."""
+    model = str(tiny_model("qwen3", num_hidden_layers=2, head_dim=128, max_position_embeddings=8192))
+    args = make_config(
+        tmp_path, max_steps=1, per_device_train_batch_size=8, num_generations=4, max_completion_length=64,
+        vllm_max_model_length=1024, roundalign_regions=["rope", "swiglu", "rmsnorm", "attention"],
+        generation_kwargs={"ignore_eos": True}, roundalign_stop_on_unreproduced=True,
+        vllm_engine_kwargs=None if budget is None else {"max_num_batched_tokens": budget},
+    )
+    trainer = closing(RoundAlignGRPOTrainer(model=model, reward_funcs=varied_reward, args=args,
+                                            train_dataset=long_prompts(8)))
+    trainer.train()
+    layout = trainer.roundalign_layout
+    assert layout.prefix_caching is True and layout.chunked_prefill is True and layout.prompts_alone
+    [logged] = [h for h in trainer.state.log_history if "schedule/prefix_cached_tokens" in h]
+    assert logged["schedule/prefix_cached_tokens"] == 2 * 3 * 512  # 3 copies of each prompt hit its 4 whole blocks
+    [row] = [json.loads(x) for x in (tmp_path / "mismatch.jsonl").read_text().splitlines()[1:]]
+    print({k: v for k, v in row.items() if k.startswith("mismatch/")}, logged)
+    assert row["mismatch/tokens"] == 8 * 64 and row["mismatch/unreproduced_tokens"] == 0
+    assert row["mismatch/frac_bitwise_equal"] == 1.0 and row["mismatch/kl_k3"] == 0.0
+
+
+@pytest.mark.full
+def test_the_issues_target_long_prompts_long_completions_a_quarter_of_the_kv_cache(tmp_path):
+    """The schedule issue's target, through TRL with vLLM's defaults (chunked prefill, TRL's step budget, prefix
+    caching): one prompt of 4,000 tokens sampled 8 times, completions of 2,048 tokens, a KV cache holding a quarter of
+    the step's tokens, so the engine takes 7 of 8 prompt copies from its prefix cache and preempts and re-prefills.
+    Every completion token bit-identical to the sampler (`scripts/schedule_matrix.py` writes the table with it)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "schedule_matrix.py"
+    spec = importlib.util.spec_from_file_location("schedule_matrix", path)
+    matrix = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(matrix)
+    row = matrix.run_case(str(tiny_model("qwen3", num_hidden_layers=2, head_dim=128, max_position_embeddings=8192)),
+                          *matrix.CASES["target-p4000-c2048-kv-quarter"])
+    print(row)
+    assert row["tokens"] == 8 * 2048 and row["unreproduced"] == 0
+    assert row["prefix_cached"] > 0 and row["preemptions"] > 0 and row["reprefilled"] > 0
+    assert row["bitwise"] == 1.0 and row["k3"] == 0.0

@@ -118,14 +118,16 @@ def test_bad_gemm_block_rows_is_one_line(tmp_path):
 def test_the_prompt_horizon_is_set_without_the_start_up_check(tmp_path, closing, caplog):
     """The runtime prompt check (`PromptHorizon.check`) is exact mode's, not the start-up check's: with the check off
     (and so on every rank, where the check runs on the main process only) a prompt past the horizon is still said.
-    Here the user's engine caches prefixes (it then prefills a prompt's uncached tail only), so the horizon is measured
-    at this machine's attention shape; a batch with a longer prompt warns once."""
+    Here the user's engine runs a scheduler of its own (nothing recorded) and caches prefixes (it then prefills a
+    prompt's uncached tail only), so the horizon is measured at this machine's attention shape; a batch with a longer
+    prompt warns once."""
     import logging
 
     import torch
 
     args = make_config(tmp_path, max_steps=1, roundalign_regions=["rope", "swiglu", "rmsnorm", "attention"],
-                       roundalign_verify_profile=False, vllm_engine_kwargs={"enable_prefix_caching": True})
+                       roundalign_verify_profile=False, vllm_engine_kwargs={
+                           "enable_prefix_caching": True, "scheduler_cls": "vllm.v1.core.sched.scheduler.Scheduler"})
     with caplog.at_level(logging.WARNING, logger="trl_roundalign.trainer.startup_check"):
         trainer = closing(
             RoundAlignGRPOTrainer(

@@ -94,10 +94,10 @@ class EngineLayout:
 
     @property
     def prompts_alone(self) -> bool:
-        """Every prompt's prefill (whole, or in the chunks the scheduler recorded) computed in kernel calls of its own,
-        from position 0: its bits do not depend on its step's company, and the trainer reproduces them."""
-        return (bool(self.attention_prefill_alone) and self.prefix_caching is False
-                and (self.chunked_prefill is False or bool(self.schedule_recorded)))
+        """Every prompt's prefill computed in kernel calls of its own (whole, or in the chunks and from the prefix hits
+        the scheduler recorded): its bits do not depend on its step's company, and the trainer reproduces them."""
+        return bool(self.attention_prefill_alone) and (
+            bool(self.schedule_recorded) or (self.chunked_prefill is False and self.prefix_caching is False))
 
     def as_dict(self) -> dict:
         d = asdict(self)

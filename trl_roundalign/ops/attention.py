@@ -220,7 +220,7 @@ def vllm_cpu_attention_forward(
 
     if kv_split is None:
         kv_split = enable_kv_split
-    num_blocks, slot_mapping = _requests(tuple(lens), prefill, block_size)[0::4]
+    num_blocks, slot_mapping = _requests(tuple(lens), prefill, block_size, prefill_alone)[0::4]
 
     # The engine's cache layout: [blocks, kv_heads, block_size, 2 * D], keys then values per block row.
     kv_cache = torch.zeros(num_blocks, hkv, block_size, 2 * d, dtype=q.dtype)
@@ -273,13 +273,16 @@ def vllm_cpu_attention_forward(
 
 
 @functools.lru_cache(maxsize=8)
-def _requests(lens: tuple[int, ...], prefill: tuple[tuple[int, ...], ...], block_size: int):
+def _requests(lens: tuple[int, ...], prefill: tuple[tuple[int, ...], ...], block_size: int, pieces: bool = True):
     """The paged cache and the requests of one call (the same for every layer of a forward, hence cached; the
     kernel only reads them): `(num_blocks, seq_lens, query_start_loc, block_table, slot_mapping)`. Each sequence
     has its own blocks and one prefill request per chunk of its first tokens (`prefill`: the chunks' ends, the last
     the prefill's length; a chunk after the first is a request with past keys, as the engine computes a chunked
-    prefill); in decode form each later token is a one-query request whose sequence length is its prefix, over the
-    same blocks. Queries keep the packed order."""
+    prefill), each cut at the cache's block boundaries with `pieces` (`engine.prefill.block_pieces`, what an engine
+    that prefills each prompt alone computes); in decode form each later token is a one-query request whose sequence
+    length is its prefix, over the same blocks. Queries keep the packed order."""
+    from ..engine.prefill import block_pieces
+
     blocks = [(s + block_size - 1) // block_size for s in lens]
     first_block = [0]
     for b in blocks[:-1]:
@@ -288,9 +291,10 @@ def _requests(lens: tuple[int, ...], prefill: tuple[tuple[int, ...], ...], block
     owner, req_seq_lens, req_query_lens = [], [], []
     for i, (length, ends) in enumerate(zip(lens, prefill)):
         for a, e in zip((0, *ends[:-1]), ends):
-            owner.append(i)
-            req_seq_lens.append(e)
-            req_query_lens.append(e - a)
+            for pa, pe in block_pieces(a, e, block_size) if pieces else [(a, e)]:
+                owner.append(i)
+                req_seq_lens.append(pe)
+                req_query_lens.append(pe - pa)
         pf = ends[-1]
         owner.extend([i] * (length - pf))
         req_seq_lens.extend(range(pf + 1, length + 1))
@@ -315,7 +319,7 @@ def _calls(lens: tuple[int, ...], prefill: tuple[tuple[int, ...], ...], block_si
     `(first token, end token, seq_lens, query_start_loc, block_table)`, the offsets rebased to the call."""
     from ..engine.prefill import request_groups
 
-    _, seq_lens, query_start_loc, block_table, _ = _requests(lens, prefill, block_size)
+    _, seq_lens, query_start_loc, block_table, _ = _requests(lens, prefill, block_size, alone)
     loc = query_start_loc.tolist()
     groups = (alone and request_groups([e - s for s, e in zip(loc[:-1], loc[1:])])) or [(0, len(loc) - 1)]
     return [

@@ -130,11 +130,16 @@ def _config(model):
     return getattr(model, "config", None)
 
 
+# The step budget TRL 1.16 gives its colocated engine (`trl/generation/vllm_generation.py`, `max_num_batched_tokens`),
+# where `vllm_engine_kwargs` sets none: the most rows one engine step's linears compute.
+TRL_COLOCATE_STEP_BUDGET = 4096
+
+
 def decide_gemm_schedule(config, args, engine_kwargs: dict, max_model_len: int):
     """The GEMM schedule both sides' linears use, and the measurement behind it (`engine.gemm.decide_schedule`, the one
     decision): the model's linear shapes, their shards at the engine's TP size, and the row counts the run reaches (the
-    training micro-batch's tokens, at most the engine's context each; the engine's prefill chunk), measured up to `GEMM_MEASURE_MAX_ROWS` rows; what lies
-    above is named in the report. Exact mode refuses, in one line, where no schedule is batch-invariant; the other modes
+    training micro-batch's tokens, at most the engine's context each; the engine's step budget, TRL's 4,096 unless
+    set), measured up to `GEMM_MEASURE_MAX_ROWS` rows; what lies above is named in the report. Exact mode refuses, in one line, where no schedule is batch-invariant; the other modes
     warn (their start-up check decides by exact refinements, which then cannot reproduce the engine). Default BF16 is the
     stock trainer: plain F.linear, nothing measured."""
     from ..engine import gemm
@@ -143,9 +148,8 @@ def decide_gemm_schedule(config, args, engine_kwargs: dict, max_model_len: int):
     if not args.roundalign_regions and requested == "auto":
         gemm.set_schedule(gemm.GemmSchedule())
         return gemm.GemmSchedule(), None
-    reaches = {"the training micro-batch": int(args.per_device_train_batch_size) * int(max_model_len)}
-    if engine_kwargs.get("max_num_batched_tokens"):
-        reaches["the engine's prefill chunk"] = int(engine_kwargs["max_num_batched_tokens"])
+    reaches = {"the training micro-batch": int(args.per_device_train_batch_size) * int(max_model_len),
+               "the engine's step": int(engine_kwargs.get("max_num_batched_tokens") or TRL_COLOCATE_STEP_BUDGET)}
     schedule, report = gemm.decide_schedule(
         config, requested, reaches, cap=max(AUTO_MEASURE_ROWS, GEMM_MEASURE_MAX_ROWS),
         tensor_parallel=int(args.vllm_tensor_parallel_size or 1), refuse="attention" in args.roundalign_regions,

@@ -617,6 +617,8 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
         finally:
             self._roundalign_generating = False
         if capture is not None and self.model.training:
+            for name, value in capture.schedule_metrics().items():
+                self._metrics["train"][name].append(value)
             out[UNREPRODUCED_KEY] = capture.codes(out["completion_mask"])
             reprefill, cuts = capture.reprefills(tuple(out["completion_mask"].shape)), capture.cuts(len(out["completion_mask"]))
             if reprefill is not None:

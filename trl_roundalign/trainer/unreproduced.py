@@ -32,11 +32,15 @@ from ..metrics import REPREFILLED_CODE, UNREPRODUCED_CAUSES
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CUTS_KEY", "REPREFILL_KEY", "UNREPRODUCED_KEY", "ScheduleCapture", "UnreproducedStep", "reproduce_reprefills",
+__all__ = ["CUTS_KEY", "REPREFILL_KEY", "SCHEDULE_METRICS", "UNREPRODUCED_KEY", "ScheduleCapture", "UnreproducedStep", "reproduce_reprefills",
            "row_cuts"]
 
 UNRECORDED = "unrecorded"  # a request the engine kept no record of (`engine.schedule.UNRECORDED`, vLLM-free here)
 assert UNRECORDED in UNREPRODUCED_CAUSES
+
+# Per step, from the engine's records: prompt positions it prefilled (chunks and re-prefills included), positions it
+# took from its prefix cache instead, and its preemptions (docs/metrics.md).
+SCHEDULE_METRICS = ("schedule/prefilled_tokens", "schedule/prefix_cached_tokens", "schedule/preemptions")
 
 # The key of the per-token codes in the generated batch (TRL splits and shuffles it with the batch's other tensors).
 UNREPRODUCED_KEY = "roundalign_unreproduced"
@@ -69,6 +73,8 @@ class ScheduleCapture:
         # Per generation, per request: `RequestSchedule.form()`, `(stretches, first unreproduced or None)`.
         self.generations: list[list[tuple[tuple[tuple[int, tuple[int, ...]], ...], tuple[int, str] | None]]] = []
         self._warned: set[str] = set()
+        # Per generation: prompt positions the engine prefilled and took from its prefix cache, and its preemptions.
+        self.prefills: list[tuple[int, int, int]] = []
         from ..engine.schedule import take_schedules  # imports vLLM's scheduler
 
         original = llm.generate
@@ -77,6 +83,8 @@ class ScheduleCapture:
             outputs = original(*args, **kwargs)
             records = take_schedules(llm, [o.request_id for o in outputs])
             self.generations.append([((), (0, UNRECORDED)) if r is None else r.form() for r in records])
+            counts = [(*r.prefill_tokens(), len(r.preemptions)) for r in records if r is not None]
+            self.prefills.append(tuple(sum(c[k] for c in counts) for k in range(3)))
             return outputs
 
         llm.generate = generate
@@ -84,6 +92,11 @@ class ScheduleCapture:
     def reset(self) -> None:
         """Forget earlier generations (the start-up check's, the previous batch's)."""
         self.generations = []
+        self.prefills = []
+
+    def schedule_metrics(self) -> dict[str, float]:
+        """What the engine's schedule did in the generations since `reset` (logged per step, `SCHEDULE_METRICS`)."""
+        return {name: float(sum(p[k] for p in self.prefills)) for k, name in enumerate(SCHEDULE_METRICS)}
 
     def _forms(self, rows: int):
         """The forms of the `rows` completions the generations since `reset` produced, or None where they cannot be
