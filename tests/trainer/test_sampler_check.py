@@ -13,13 +13,8 @@ import os
 import pytest
 import torch
 
-from trl_roundalign.trainer.startup_check import (
-    SAMPLER_CHECK_TOKENS,
-    ProfileMismatch,
-    Verification,
-    verification_sequences,
-    verify_against_sampler,
-)
+from trl_roundalign.trainer.sampler_check import SAMPLER_CHECK_TOKENS, verify_against_sampler
+from trl_roundalign.trainer.startup_check import ProfileMismatch, Verification, verification_sequences
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

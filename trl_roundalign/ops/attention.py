@@ -24,12 +24,10 @@ is therefore the engine's, bit for bit, when the call sees what the engine saw:
   worker replaces `torch.set_num_threads` by a no-op before vLLM's own "reduce to 1 thread" call,
   so the engine keeps the process's count (2 on a 2-core machine) unless `OMP_NUM_THREADS` was set
   before start. `torch._C.set_num_threads` still works; `num_threads=` uses it for one call.
-- a whole-sequence prefill: every query token of a sequence in one step (`query_len == seq_len`).
-  A prompt the engine splits over steps (chunked prefill: the step's token budget
-  `max_num_batched_tokens` is shared by the batch, so a prompt can be split even when it is shorter
-  than the budget) is tiled differently: measured with one thread, a 500-token sequence split at
-  token 77 differed on 3 of 512000 outputs, a 1200-token one split at 512 on 54 of 1.2M. vLLM never
-  reads the prefix cache for requests with `prompt_logprobs`, so prefix caching does not interfere.
+- the same requests: a prefill request's tiling depends on its own query range, so the trainer computes each prompt
+  in the requests the engine computed it in (`decode_from`: a whole prefill, or the chunks of a chunked prefill or a
+  prefix hit's tail, each a request with past keys), each cut at the KV cache's block boundaries as exact mode's engine
+  cuts them (`engine.prefill.block_pieces`).
 
 **Decode form** (`decode_from`, and `sampled_from` for the Hugging Face interface): what the engine's *sampler*
 computed. Each generated token's logits came from a decode step, one query over the paged cache of its prefix,
@@ -42,17 +40,11 @@ off (the project's engines do; `engine.build.keep_decode_keys_on_one_thread`), w
 Each prefill request is computed in a kernel call of its own, as an engine that prefills each prompt alone does
 (`engine.prefill`, exact mode's engine): a prompt's bits then do not depend on the other sequences.
 
-Backward (`VllmCpuAttention`): the standard causal softmax attention gradient, recomputed in fp32
-from the saved bf16 `q`, `k`, `v` (grouped-query aware: the gradients of the query heads that share
-a key/value head are summed), rounded once per gradient tensor:
-`P = softmax(scale q k^T + causal)`, `dV = P^T dO`, `dP = dO V^T`,
-`dS = P * (dP - rowsum(P * dP))`, `dQ = scale dS K`, `dK = scale dS^T Q`.
-It is the exact derivative of exact attention (the function the kernel approximates to within
-rounding), not of the kernel's fp32 operation order.
-
-`hf_attention_interface` plugs the forward into Hugging Face transformers (an entry of
-`ALL_ATTENTION_FUNCTIONS`): it reads each batch row's sequences from the attention mask, packs
-their tokens into one varlen call and scatters the result back (zeros at padding positions).
+Backward (`VllmCpuAttention`): the causal softmax attention gradient recomputed in fp32 from the saved bf16 `q`, `k`,
+`v` (grouped-query aware), rounded once per gradient tensor: the exact derivative of exact attention (the function
+the kernel approximates to within rounding), not of the kernel's fp32 operation order (`attention_backward_fp32`).
+`hf_attention_interface` plugs the forward into Hugging Face transformers (`ALL_ATTENTION_FUNCTIONS`): it reads each
+row's sequences from the attention mask, packs them into one varlen call and scatters the result back.
 """
 
 from __future__ import annotations
@@ -353,11 +345,10 @@ def attention_backward_fp32(
     scale: float,
     seq_lens: Sequence[int],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """fp32 gradients `(dq, dk, dv)` of causal varlen softmax attention (packed `[T, H, D]` layout).
-
-    Recomputes the probabilities per sequence and key/value head from the inputs upcast to fp32;
-    memory peaks at `group * L^2` fp32 values for a sequence of length `L` (`group = Hq / Hkv`).
-    """
+    """fp32 gradients `(dq, dk, dv)` of causal varlen softmax attention (packed `[T, H, D]` layout):
+    `P = softmax(scale q k^T + causal)`, `dV = P^T dO`, `dP = dO V^T`, `dS = P * (dP - rowsum(P * dP))`,
+    `dQ = scale dS K`, `dK = scale dS^T Q`, the query heads sharing a key/value head summed. Recomputes the
+    probabilities per sequence and key/value head; memory peaks at `group * L^2` fp32 values (`group = Hq / Hkv`)."""
     hq, hkv = q.shape[1], k.shape[1]
     group = hq // hkv
     dq = torch.empty(q.shape, dtype=torch.float32)
@@ -596,8 +587,8 @@ def segments_from_attention_mask(
     return segments
 
 
-# One entry: Hugging Face passes the same mask object to every layer of a forward. The entry holds
-# the mask itself, so its storage cannot be freed and reused by another mask while it is cached.
+# One entry: Hugging Face passes the same mask object to every layer of a forward; the entry holds the mask itself, so
+# its storage cannot be freed and reused by another mask while it is cached.
 _PLAN_CACHE: dict[str, object] = {}
 
 
@@ -657,17 +648,13 @@ def hf_attention_interface(
             `AttentionMaskInterface` (e.g. `sdpa_mask`), or transformers passes no mask at all.
         scaling: the softmax scale (`module.scaling`; `None` means `1/sqrt(D)`).
         dropout: must be 0 (the engine has no dropout).
-        block_size, num_threads: passed to `vllm_cpu_attention_forward`; bind them with
-            `functools.partial` before registering the function, e.g. `num_threads=1` against an engine
-            that runs one OpenMP thread.
-        **kwargs: `sliding_window` (Gemma 3's local layers) is passed to the kernel as vLLM passes it, for
-            sequences no longer than the window (longer ones raise); `is_causal` must not be False; others are
-            ignored.
+        block_size, num_threads: passed to `vllm_cpu_attention_forward` (bind them with `functools.partial`).
+        **kwargs: `sliding_window` (Gemma 3's local layers) as vLLM passes it, for sequences within the window;
+            `is_causal` must not be False; others are ignored.
 
     Returns:
-        `(attn_output, None)` with `attn_output` `[B, T, Hq, D]` contiguous, like `sdpa_attention_forward`;
-        padding positions hold zeros. Each sequence (each row's real tokens, or each packed segment) is
-        scored as vLLM scores that prompt alone: position ids must start at its first real token.
+        `(attn_output, None)`, `[B, T, Hq, D]` contiguous like `sdpa_attention_forward`, zeros at padding. Each
+        sequence is scored as vLLM scores that prompt alone: position ids must start at its first real token.
     """
     if dropout:
         raise ValueError(f"vLLM-CPU attention has no dropout; got dropout={dropout} (set attention_dropout=0).")
@@ -682,10 +669,8 @@ def hf_attention_interface(
     batch, hq, q_len, d = query.shape
     kv_len = key.shape[2]
     if kv_len != q_len:
-        raise ValueError(
-            f"key length {kv_len} differs from query length {q_len}: the vLLM-CPU attention interface scores "
-            "whole sequences (training / prompt scoring) and supports no KV cache (use_cache=False)."
-        )
+        raise ValueError(f"key length {kv_len} differs from query length {q_len}: the vLLM-CPU attention interface "
+                         "scores whole sequences (training / prompt scoring) and supports no KV cache (use_cache=False).")
     scale = float(scaling) if scaling is not None else d**-0.5
 
     lens, row_idx, pos, starts, rows = _packing_plan(attention_mask, batch, q_len)

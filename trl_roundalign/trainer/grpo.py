@@ -384,7 +384,8 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
     def _verify_colocated(self):
         args = self.args
         from ..scoring import vllm_prefill_logprobs
-        from .startup_check import verification_sequences, verify_against_sampler, verify_profile
+        from .sampler_check import verify_against_sampler
+        from .startup_check import verification_sequences, verify_profile
 
         llm = self.vllm_generation.llm
         sequences = verification_sequences(llm.get_tokenizer())
@@ -399,7 +400,14 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
         finally:
             self.roundalign_report = self._install_patches()
         if is_exact(self.roundalign_profile):
-            verify_against_sampler(self.model, llm, sequences, result)  # decode steps of a shrinking batch
+            capture = self._roundalign_schedule  # the engine's record of the check's requests: their forms
+            # A prompt a KV block and 40 tokens long, twice (a prefix hit where the engine caches prefixes), where the
+            # engine's step holds it whole.
+            shared = self._engine_block_size() + 40
+            budget = getattr(self.roundalign_layout, "max_num_batched_tokens", None)
+            verify_against_sampler(self.model, llm, sequences, result,
+                                   shared_tokens=shared if budget is None or budget >= shared else None,
+                                   forms=None if capture is None else (lambda: capture.generations[-1]))
             result.prompt_horizon = self._roundalign_horizon.tokens
         logger.info("profile %s verified in %.1f s (%d tokens; sampler: %d)", result.chosen, result.seconds, result.tokens,
                     result.sampler_tokens)

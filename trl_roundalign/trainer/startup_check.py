@@ -174,6 +174,9 @@ class Verification:
     # and the share of them whose recomputed log-prob is the sampler's bit for bit (None: not checked).
     sampler_tokens: int = 0
     sampler_bitwise: float | None = None
+    # Exact mode: of the sampler check's requests, how many the engine computed from a prefix-cache hit, in prefill
+    # chunks, or after a re-prefill, by its own schedule record (reproduced as recorded; absent where nothing records).
+    sampler_forms: dict = field(default_factory=dict)
     # Exact mode: the longest prompt whose prefill is the same in any batch here (`PromptHorizon`; None: no limit).
     prompt_horizon: int | None = None
 
@@ -550,55 +553,6 @@ def verify_profile(
     result.seconds = time.perf_counter() - start
     result.verdict = "ok"
     return result
-
-
-# The sampler check's completions (tokens each): three requests that end at different steps, so the decode batch
-# shrinks from three sequences to one, as when GRPO's completions end at different lengths; the last one decodes
-# alone past 100 tokens (where a split of its keys over threads showed at head dim 128, AMD AVX-512, 2 threads).
-SAMPLER_CHECK_TOKENS = (160, 96, 24)
-
-
-def verify_against_sampler(model, llm, sequences: list[list[int]], result: Verification, *, prompt_tokens: int = 12) -> None:
-    """Exact mode's second check: what the trainer scores in training is what the engine's *sampler* returned, from
-    decode steps, not its prefill. The engine generates from the first `prompt_tokens` of each sequence (seeded,
-    temperature 1, EOS ignored, `SAMPLER_CHECK_TOKENS` tokens each), and the policy (patched, exact) recomputes
-    every completion token as the trainer does (`ops.attention.sampled_from`). Anything but 100% bit-identical
-    stops the run in one line; `result` records the tokens and the share."""
-    from vllm import SamplingParams, TokensPrompt
-
-    from ..ops.attention import sampled_from
-    from ..scoring import hf_logprobs
-
-    start = time.perf_counter()
-    prompts = [list(s[:prompt_tokens]) for s in sequences][: len(SAMPLER_CHECK_TOKENS)]
-    params = [
-        SamplingParams(max_tokens=n, temperature=1.0, seed=1000 + i, logprobs=0, ignore_eos=True)
-        for i, n in enumerate(SAMPLER_CHECK_TOKENS[: len(prompts)])
-    ]
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-    equal = total = 0
-    first = None
-    with torch.no_grad():
-        for i, (prompt, out) in enumerate(zip(prompts, outs)):
-            c = out.outputs[0]
-            sampler = torch.tensor([float(d[t].logprob) for t, d in zip(c.token_ids, c.logprobs)], dtype=torch.float32)
-            with sampled_from(len(prompt)):
-                [mine] = hf_logprobs(model, [prompt + list(c.token_ids)])
-            mine = mine[len(prompt) - 1 : len(prompt) - 1 + len(sampler)].float()
-            same = mine == sampler
-            equal, total = equal + int(same.sum()), total + len(sampler)
-            if first is None and not bool(same.all()):
-                first = (i, int((~same).nonzero()[0]))
-    result.sampler_tokens, result.sampler_bitwise = total, equal / max(total, 1)
-    result.seconds += time.perf_counter() - start
-    if first is not None:
-        result.verdict = "mismatch"
-        raise ProfileMismatch(
-            f"Exact mode reproduces the engine's prefill but {result.sampler_bitwise:.1%} of its sampler's log-probs "
-            f"bit for bit on {total} tokens of decode steps with a shrinking batch (first difference: request "
-            f"{first[0]}, completion token {first[1]}): the engine's decode computes something the trainer does not "
-            "reproduce on this machine. Drop 'attention' from roundalign_regions, and report the engine layout."
-        )
 
 
 def prefill_batch_invariant_tokens(
