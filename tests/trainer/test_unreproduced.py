@@ -52,22 +52,24 @@ def long_prompts(n: int):
 
 
 def test_vllms_chunked_prefill_is_reproduced_bit_for_bit(tmp_path, closing):
-    """vLLM's chunked prefill on, with a step budget of 256 tokens: every prompt of about 570 tokens is prefilled in
-    chunks whose boundaries depend on what else the step held (other prompts' chunks, decodes). Measured before the
-    chunks were reproduced (AMD AVX2): the tokens counted as `prefill_chunked`, and 29-34% bit-identical in the issue's
-    longer run. The engine's record gives each request's cuts; the trainer computes each chunk as a request with past
-    keys, and every completion token is the sampler's."""
+    """vLLM's chunked prefill on, with a step budget of 200 tokens (prefix caching off, to see chunks alone): every
+    prompt of about 570 tokens is prefilled in chunks whose boundaries depend on what else the step held (other
+    prompts' chunks, decodes) and fall inside KV blocks (200, 400, ...). Measured before the chunks were reproduced (AMD
+    AVX2): the tokens counted as `prefill_chunked`, and 29-34% bit-identical in the issue's longer run. The engine's
+    record gives each request's cuts; the trainer computes each chunk as a request with past keys, and every
+    completion token is the sampler's."""
     model = str(tiny_model("qwen3", num_hidden_layers=2, head_dim=128, max_position_embeddings=8192))
     args = make_config(
         tmp_path, max_steps=1, per_device_train_batch_size=8, num_generations=4, max_completion_length=64,
         vllm_max_model_length=1024, roundalign_regions=["rope", "swiglu", "rmsnorm", "attention"],
         generation_kwargs={"ignore_eos": True}, roundalign_stop_on_unreproduced=True,
-        vllm_engine_kwargs={"enable_chunked_prefill": True, "max_num_batched_tokens": 256},
+        vllm_engine_kwargs={"enable_chunked_prefill": True, "max_num_batched_tokens": 200,
+                            "enable_prefix_caching": False},
     )
     trainer = closing(RoundAlignGRPOTrainer(model=model, reward_funcs=varied_reward, args=args,
                                             train_dataset=long_prompts(8)))
     trainer.train()
-    assert trainer.roundalign_layout.chunked_prefill is True and trainer.roundalign_layout.max_num_batched_tokens == 256
+    assert trainer.roundalign_layout.chunked_prefill is True and trainer.roundalign_layout.max_num_batched_tokens == 200
     [row] = [json.loads(x) for x in (tmp_path / "mismatch.jsonl").read_text().splitlines()[1:]]
     print({k: v for k, v in row.items() if k.startswith("mismatch/")})
     assert row["mismatch/tokens"] == 8 * 64 and row["mismatch/unreproduced_tokens"] == 0
