@@ -45,7 +45,14 @@ from .logprobs import sampler_logprobs
 from .logprobs import supports as logprobs_supports
 from .masters import MasterWeightsOptimizer, aligned_fsdp2_policy, distributed_precision, noop_comm_hook
 from .options import check_dtypes, check_options
-from .unreproduced import CUTS_KEY, REPREFILL_KEY, UNREPRODUCED_KEY, reproduce_reprefills, row_cuts
+from .unreproduced import (
+    CUTS_KEY,
+    REPREFILL_KEY,
+    UNREPRODUCED_KEY,
+    UnreproducedStep,
+    reproduce_reprefills,
+    row_cuts,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -568,8 +575,8 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
         if reprefill is not None and bool((reprefill > 0).any()):
             entropy = bool(kwargs.get("compute_entropy", args[1] if len(args) > 1 else False))
             if any(kwargs.get(k) is not None for k in ("pixel_values", "token_type_ids", "mm_token_type_ids")):
-                raise NotImplementedError(
-                    "exact mode: the engine preempted and re-prefilled a multimodal request; the trainer reproduces "
+                raise UnreproducedStep(
+                    "Exact mode: the engine preempted and re-prefilled a multimodal request, and the trainer reproduces "
                     "re-prefills of text requests only. Give the engine enough KV cache for a step's sequences.")
             out = reproduce_reprefills(
                 lambda ids, mask, keep, c: self._logps_in_form(model, ids, mask, keep, compute_entropy=entropy, cuts=c),
