@@ -85,7 +85,7 @@ class RequestSchedule:
                 continue  # a decode step: the newest token's keys and values, the next token sampled
             else:
                 return tuple(stretches), (outputs, "prefill_chunked")  # any other multi-token step
-            stretches[-1] = (stretches[-1][0], tuple(cuts))
+            stretches[-1] = (stretches[-1][0], tuple(sorted(set(cuts))))
         return tuple(stretches), None
 
     def prefill_tokens(self) -> tuple[int, int]:
