@@ -47,6 +47,11 @@ class RequestSchedule:
     # of the cached blocks' keys and values started (`RecordingScheduler._block_cuts`), the form the hit inherited.
     inherited: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
+    @property
+    def resumed_at(self) -> set[int]:
+        """The index of each step that followed a preemption (a resumption's prefill)."""
+        return {at for at, _ in self.preemptions}
+
     def form(self) -> tuple[tuple[tuple[int, tuple[int, ...]], ...], tuple[int, str] | None]:
         """`(stretches, first unreproduced)`.
 
@@ -62,7 +67,7 @@ class RequestSchedule:
         cause)`, or None where every token was."""
         if not self.steps:
             return (), (0, UNRECORDED)
-        resumed_at = {at for at, _ in self.preemptions}  # the index of each step that followed a preemption
+        resumed_at = self.resumed_at
         stretches: list[tuple[int, tuple[int, ...]]] = []
         cuts: list[int] = []
         prefilled = target = 0  # positions the current prefill has computed, and the positions it covers
@@ -91,7 +96,7 @@ class RequestSchedule:
     def prefill_tokens(self) -> tuple[int, int]:
         """`(positions the engine prefilled, positions it took from its prefix cache)` over this request's prefills
         (the first and each re-prefill; decode steps not counted): what prefix caching saved it."""
-        resumed_at = {at for at, _ in self.preemptions}
+        resumed_at = self.resumed_at
         computed = cached = 0
         for i, (start, n, outputs) in enumerate(self.steps):
             if i == 0 or i in resumed_at:
