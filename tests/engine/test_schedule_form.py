@@ -17,6 +17,7 @@ def record(prompt, steps, preemptions=(), inherited=None):
 def test_a_whole_prefill_then_decode_steps():
     r = record(40, [(0, 40, 0)] + [(40 + i - 1, 1, i) for i in range(1, 5)])
     assert r.form() == (((0, ()),), None) and r.prefill_tokens() == (40, 0)
+    assert r.kinds() == frozenset()  # the start-up check's `sampler_forms` counts none
 
 
 def test_chunks_a_prefix_hit_and_a_re_prefill_from_the_requests_own_cached_blocks():
@@ -26,6 +27,9 @@ def test_chunks_a_prefix_hit_and_a_re_prefill_from_the_requests_own_cached_block
     r = record(300, steps, preemptions=[(3, 3)], inherited={0: (64, 192), 3: (64, 192)})
     assert r.form() == (((0, (64, 192, 256)), (3, (64, 192, 256, 296))), None)
     assert r.prefill_tokens() == (44 + 40 + 7, 256 + 256)
+    assert r.kinds() == {"prefix hit", "re-prefilled", "chunked"}
+    chunked = record(168, [(0, 56, 0), (56, 56, 0), (112, 56, 0), (168, 1, 1)])  # the start-up check's chunked prompt
+    assert chunked.kinds() == {"chunked"} and chunked.form() == (((0, (56, 112)),), None)
 
 
 def test_what_the_record_cannot_place_is_counted_with_its_cause():

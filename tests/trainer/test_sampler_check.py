@@ -107,3 +107,75 @@ def test_a_prompt_past_the_horizon_is_said_once(caplog):
         PromptHorizon(None).check(mask, 600)
     [record] = caplog.records
     assert "a prompt of 600 tokens is longer than the 544" in record.getMessage()
+
+
+def test_the_sampler_check_provokes_each_form_of_the_engines_schedule_and_fails_where_the_record_is_ignored(monkeypatch):
+    """Through the engine's recording scheduler (vLLM's defaults: chunked prefill, prefix caching), the check provokes
+    the forms a run meets: a prefix hit (a second copy of one long prompt), a chunked prefill (the step budget cut to a
+    third of a long prompt: chunks that start inside KV blocks) and a preemption (resumed by a re-prefill from the
+    request's own cached blocks), and recomputes each in its recorded form, every token bit-identical. The same
+    check with the recorded cuts dropped on the trainer's side (a whole prefill where the engine chunked) must stop
+    the run; where the two forms give the same bits on this CPU, it skips with that measurement."""
+    from transformers import AutoModelForCausalLM
+
+    from trl_roundalign.analysis.conditions import Condition, apply_condition
+    from trl_roundalign.engine import (
+        build_llm,
+        close_llm,
+        engine_layout,
+        exact_profile_for,
+        inductor_reduction_lanes,
+        profile_for_engine,
+    )
+    from trl_roundalign.engine.gemm import GemmSchedule, cpu_kind
+    from trl_roundalign.engine.schedule import RECORDING_SCHEDULER
+    from trl_roundalign.local_models import tiny_model
+    from trl_roundalign.profiles import ALL_REGIONS
+    from trl_roundalign.trainer import sampler_check
+    from trl_roundalign.trainer.sampler_check import SAMPLER_CHECK_CHUNKED, SAMPLER_CHECK_PREEMPTED, long_prompt_tokens
+    from trl_roundalign.trainer.unreproduced import ScheduleCapture
+
+    path = str(tiny_model("qwen3", num_hidden_layers=2, head_dim=128, max_position_embeddings=8192))
+    llm = build_llm(path, max_model_len=2048, prefill_alone=True, scheduler_cls=RECORDING_SCHEDULER,
+                    cache_tag="schedule", enable_prefix_caching=True, enable_chunked_prefill=True)
+    try:
+        layout = engine_layout(llm)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+        cond = Condition("exact", ALL_REGIONS, exact_profile_for(profile_for_engine(layout)))
+        apply_condition(model, cond, inductor_reduction_lanes(llm), layout.kv_block_size,
+                        engine_max_model_len=layout.max_model_len,
+                        gemm_schedule=GemmSchedule(layout.gemm_block_rows or 0, layout.gemm_min_rows or 0))
+        capture = ScheduleCapture(llm)
+        shared = long_prompt_tokens(layout.kv_block_size, layout.max_num_batched_tokens, layout.max_model_len)
+        assert shared == 8 * 128 + 40
+
+        def run():
+            llm.reset_prefix_cache()
+            result = Verification(cond.profile, cond.profile)
+            try:
+                sampler_check.verify_against_sampler(
+                    model, llm, verification_sequences(llm.get_tokenizer()), result, shared_tokens=shared, chunks=True,
+                    forms=lambda: list(zip(capture.generations[-1], capture.kinds[-1])))
+            except ProfileMismatch as e:
+                return result, str(e)
+            return result, None
+
+        result, error = run()
+        assert error is None, error
+        total = sum(SAMPLER_CHECK_TOKENS) + 48 + SAMPLER_CHECK_PREEMPTED[0] + SAMPLER_CHECK_CHUNKED
+        assert result.sampler_bitwise == 1.0 and result.sampler_tokens == total
+        assert result.sampler_forms == {"prefix hit": 2, "chunked": 1, "re-prefilled": 1}
+
+        recompute = sampler_check._recompute
+        monkeypatch.setattr(sampler_check, "_recompute", lambda model, prompt, tokens, stretches, *a: recompute(
+            model, prompt, tokens, tuple((g, ()) for g, _ in stretches), *a))
+        result, error = run()
+    finally:
+        close_llm(llm)
+    print(error)
+    if error is None:
+        assert result.sampler_bitwise == 1.0
+        pytest.skip(f"on this CPU ({cpu_kind()}) the chunked prefill of {shared} tokens recomputed whole gave the same "
+                    f"bits on all {result.sampler_tokens} sampled tokens: the check has no difference to catch")
+    assert result.sampler_bitwise < 1.0
+    assert error.startswith("Exact mode reproduces the engine's prefill but ") and "\n" not in error

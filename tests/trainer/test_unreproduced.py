@@ -97,10 +97,12 @@ def test_prefix_caching_is_reproduced_bit_for_bit(tmp_path, closing, budget):
     trainer.train()
     layout = trainer.roundalign_layout
     assert layout.prefix_caching is True and layout.chunked_prefill is True and layout.prompts_alone
-    # The start-up check exercised a prefix hit too (its second copy of one prompt), and held bit for bit.
+    # The start-up check exercised each form too, and held bit for bit: a prefix hit (its second copy of one prompt),
+    # a chunked prefill and a preemption (provoked through the engine's scheduler), whose re-prefill starts from the
+    # request's own cached block (a second prefix hit).
     check = trainer.roundalign_verification
-    assert check.sampler_bitwise == 1.0 and check.sampler_tokens == 328
-    assert check.sampler_forms == {"cut (chunks or a prefix hit)": 1}
+    assert check.sampler_bitwise == 1.0 and check.sampler_tokens == 328 + 140 + 24
+    assert check.sampler_forms == {"prefix hit": 2, "chunked": 1, "re-prefilled": 1}
     [logged] = [h for h in trainer.state.log_history if "schedule/prefix_cached_tokens" in h]
     assert logged["schedule/prefix_cached_tokens"] == 2 * 3 * 512  # 3 copies of each prompt hit its 4 whole blocks
     [row] = [json.loads(x) for x in (tmp_path / "mismatch.jsonl").read_text().splitlines()[1:]]

@@ -17,6 +17,7 @@ engine plan); the engine core runs in the trainer's process there (TRL's `extern
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -24,7 +25,8 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from ..metrics import UNREPRODUCED_CAUSES
 
 __all__ = [
-    "CAUSES", "RECORDING_SCHEDULER", "RecordingScheduler", "RequestSchedule", "UNRECORDED", "take_schedules",
+    "CAUSES", "FORM_KINDS", "Provocation", "RECORDING_SCHEDULER", "RecordingScheduler", "RequestSchedule", "UNRECORDED",
+    "provoked", "take_schedules",
 ]
 
 # Why a completion token was computed in a form the trainer did not reproduce (`mismatch/unreproduced_tokens/<cause>`).
@@ -32,6 +34,8 @@ CAUSES = UNREPRODUCED_CAUSES
 UNRECORDED = "unrecorded"  # the engine kept no record of the request (another scheduler, or none was readable)
 assert UNRECORDED in CAUSES
 RECORDING_SCHEDULER = f"{__name__}.RecordingScheduler"
+# The forms of computation a request's record can show besides a whole prefill and decode steps (`RequestSchedule.kinds`).
+FORM_KINDS = ("prefix hit", "chunked", "re-prefilled")
 
 
 @dataclass
@@ -106,9 +110,38 @@ class RequestSchedule:
             computed += n
         return computed, cached
 
+    def kinds(self) -> frozenset[str]:
+        """Which of `FORM_KINDS` the engine computed this request in: a prefill that started from a prefix-cache hit,
+        one computed over several steps (chunks), a re-prefill after a preemption."""
+        out = {"re-prefilled"} if self.preemptions else set()
+        resumed_at = self.resumed_at
+        prefilled = target = 0
+        for i, (start, n, outputs) in enumerate(self.steps):
+            if i == 0 or i in resumed_at:
+                if start > 0:
+                    out.add("prefix hit")
+                prefilled, target = start + n, self.prompt_tokens + outputs
+            elif prefilled < target:
+                out.add("chunked")
+                prefilled += n
+        return frozenset(out)
+
     def first_unreproduced(self) -> tuple[int, str] | None:
         """`form()`'s second half: the first completion token the trainer does not reproduce and why, or None."""
         return self.form()[1]
+
+
+@dataclass
+class Provocation:
+    """What the start-up check asks of the engine's own scheduling while it samples (`provoked`), so that the forms a
+    run meets are exercised before it: `chunk_tokens`, a step budget that cuts a longer prefill into chunks (where the
+    engine chunks prefills at all); `preempt_after`, a request preempted once, as when the KV cache runs short, the
+    first time a running request that has generated that many tokens asks for KV slots (`preempted` once done). The
+    requests' records say what the engine did (`RequestSchedule.kinds`)."""
+
+    chunk_tokens: int | None = None
+    preempt_after: int | None = None
+    preempted: bool = False
 
 
 class RecordingScheduler(Scheduler):
@@ -117,11 +150,37 @@ class RecordingScheduler(Scheduler):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.roundalign_schedules: dict[str, RequestSchedule] = {}
+        self.roundalign_provocation: Provocation | None = None  # set by `provoked` for the start-up check only
         # Per KV block id: the positions inside it where a computation of its keys and values started (request starts
         # that are not block boundaries: a chunk's, a decode step's). With each prefill cut at block boundaries
         # (`engine.prefill.block_pieces`), they and the tokens before it are all a block's bits depend on: what a
         # prefix-cache hit on it inherits.
         self._block_cuts: dict[int, set[int]] = {}
+
+    def schedule(self, *args, **kwargs):
+        provocation = self.roundalign_provocation
+        if provocation is None:
+            return super().schedule(*args, **kwargs)
+        budget, manager = self.max_num_scheduled_tokens, self.kv_cache_manager
+        if provocation.chunk_tokens and self.scheduler_config.enable_chunked_prefill:
+            self.max_num_scheduled_tokens = min(budget, int(provocation.chunk_tokens))
+        if provocation.preempt_after is not None and not provocation.preempted:
+            allocate = manager.allocate_slots
+
+            def allocate_slots(request, *a, **k):
+                # The scheduler's own response to a KV cache that ran short: it preempts its last running request.
+                if not provocation.preempted and request.num_computed_tokens > 0 and (
+                        request.num_output_tokens >= provocation.preempt_after):
+                    provocation.preempted = True
+                    return None
+                return allocate(request, *a, **k)
+
+            manager.allocate_slots = allocate_slots
+        try:
+            return super().schedule(*args, **kwargs)
+        finally:
+            self.max_num_scheduled_tokens = budget
+            manager.__dict__.pop("allocate_slots", None)
 
     def _update_after_schedule(self, scheduler_output) -> None:
         bs = int(self.block_size)
@@ -155,13 +214,35 @@ class RecordingScheduler(Scheduler):
         super()._preempt_request(request, *args, **kwargs)
 
 
+def _scheduler(llm) -> RecordingScheduler | None:
+    """`llm`'s recording scheduler, or None (another scheduler, or an engine core in another process)."""
+    engine = getattr(getattr(getattr(llm, "llm_engine", None), "engine_core", None), "engine_core", None)
+    scheduler = getattr(engine, "scheduler", None)
+    return scheduler if isinstance(scheduler, RecordingScheduler) else None
+
+
+@contextmanager
+def provoked(llm, *, chunk_tokens: int | None = None, preempt_after: int | None = None):
+    """While inside, `llm`'s recording scheduler chunks prefills longer than `chunk_tokens` and preempts one request
+    after `preempt_after` generated tokens (`Provocation`, which it yields: what the engine did); yields None where
+    the engine's scheduler does not record (nothing is provoked then)."""
+    scheduler = _scheduler(llm)
+    if scheduler is None:
+        yield None
+        return
+    provocation = scheduler.roundalign_provocation = Provocation(chunk_tokens, preempt_after)
+    try:
+        yield provocation
+    finally:
+        scheduler.roundalign_provocation = None
+
+
 def take_schedules(llm, request_ids) -> list[RequestSchedule | None]:
     """The records of `request_ids` (in that order) from `llm`'s recording scheduler, removed from it together with
     those of every other finished request; None for each where the engine keeps none (its scheduler does not record,
     or its engine core runs in another process)."""
-    engine = getattr(getattr(getattr(llm, "llm_engine", None), "engine_core", None), "engine_core", None)
-    scheduler = getattr(engine, "scheduler", None)
-    if not isinstance(scheduler, RecordingScheduler):
+    scheduler = _scheduler(llm)
+    if scheduler is None:
         return [None] * len(request_ids)
     records = scheduler.roundalign_schedules
     # The engine's request ids are the caller's with 8 random characters appended (vLLM's input processor, unless

@@ -391,7 +391,7 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
     def _verify_colocated(self):
         args = self.args
         from ..scoring import vllm_prefill_logprobs
-        from .sampler_check import verify_against_sampler
+        from .sampler_check import long_prompt_tokens, verify_against_sampler
         from .startup_check import verification_sequences, verify_profile
 
         llm = self.vllm_generation.llm
@@ -408,13 +408,13 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
             self.roundalign_report = self._install_patches()
         if is_exact(self.roundalign_profile):
             capture = self._roundalign_schedule  # the engine's record of the check's requests: their forms
-            # A prompt a KV block and 40 tokens long, twice (a prefix hit where the engine caches prefixes), where the
-            # engine's step holds it whole.
-            shared = self._engine_block_size() + 40
-            budget = getattr(self.roundalign_layout, "max_num_batched_tokens", None)
-            verify_against_sampler(self.model, llm, sequences, result,
-                                   shared_tokens=shared if budget is None or budget >= shared else None,
-                                   forms=None if capture is None else (lambda: capture.generations[-1]))
+            layout = self.roundalign_layout
+            shared = long_prompt_tokens(self._engine_block_size(), getattr(layout, "max_num_batched_tokens", None),
+                                        getattr(layout, "max_model_len", None))
+            verify_against_sampler(
+                self.model, llm, sequences, result, shared_tokens=shared,
+                chunks=bool(getattr(layout, "chunked_prefill", False)),
+                forms=None if capture is None else (lambda: list(zip(capture.generations[-1], capture.kinds[-1]))))
             result.prompt_horizon = self._roundalign_horizon.tokens
         logger.info("profile %s verified in %.1f s (%d tokens; sampler: %d)", result.chosen, result.seconds, result.tokens,
                     result.sampler_tokens)

