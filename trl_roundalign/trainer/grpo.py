@@ -391,7 +391,7 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
     def _verify_colocated(self):
         args = self.args
         from ..scoring import vllm_prefill_logprobs
-        from .sampler_check import long_prompt_tokens, verify_against_sampler
+        from .sampler_check import long_prompt_tokens, sequence_limit, verify_against_sampler
         from .startup_check import verification_sequences, verify_profile
 
         llm = self.vllm_generation.llm
@@ -410,7 +410,7 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
             capture = self._roundalign_schedule  # the engine's record of the check's requests: their forms
             layout = self.roundalign_layout
             shared = long_prompt_tokens(self._engine_block_size(), getattr(layout, "max_num_batched_tokens", None),
-                                        getattr(layout, "max_model_len", None))
+                                        sequence_limit(self.model, getattr(layout, "max_model_len", None)))
             verify_against_sampler(
                 self.model, llm, sequences, result, shared_tokens=shared,
                 chunks=bool(getattr(layout, "chunked_prefill", False)),

@@ -13,7 +13,7 @@ from .startup_check import ProfileMismatch, Verification
 
 __all__ = [
     "SAMPLER_CHECK_CHUNKED", "SAMPLER_CHECK_PREEMPTED", "SAMPLER_CHECK_SHARED", "SAMPLER_CHECK_TOKENS",
-    "long_prompt_tokens", "verify_against_sampler",
+    "long_prompt_tokens", "sequence_limit", "verify_against_sampler",
 ]
 
 
@@ -36,11 +36,20 @@ SAMPLER_CHECK_PREEMPTED = (140, 100)
 SAMPLER_CHECK_BLOCKS = 8
 
 
-def long_prompt_tokens(block_size: int, budget: int | None, max_model_len: int | None) -> int | None:
+def sequence_limit(model, max_model_len: int | None) -> int | None:
+    """The longest sequence exact mode recomputes: the engine's context, and the smallest sliding window of the
+    policy's attention layers (the attribute its attention forward passes to the kernel, `models.decoder`; the exact
+    attention covers windowed layers within the window only, `ops.attention`)."""
+    windows = [int(w) for m in model.modules() if isinstance(w := getattr(m, "sliding_window", None), int) and w > 0]
+    limits = [x for x in (max_model_len, min(windows, default=None)) if x]
+    return min(limits) if limits else None
+
+
+def long_prompt_tokens(block_size: int, budget: int | None, context: int | None) -> int | None:
     """The sampler check's long prompts: `SAMPLER_CHECK_BLOCKS` KV blocks and 40 tokens, fewer blocks where the
-    engine's step budget (a seeded request must not be chunked) or context (the preempted request's prompt and
-    tokens) holds less; None where not even one block and 40 tokens fit."""
-    room = min(budget or 1 << 30, (max_model_len or 1 << 30) - SAMPLER_CHECK_PREEMPTED[0] - 1) - 40
+    engine's step budget (a seeded request must not be chunked) or the context (`sequence_limit`: the preempted
+    request's prompt and tokens) holds less; None where not even one block and 40 tokens fit."""
+    room = min(budget or 1 << 30, (context or 1 << 30) - SAMPLER_CHECK_PREEMPTED[0] - 1) - 40
     blocks = min(SAMPLER_CHECK_BLOCKS, room // block_size)
     return blocks * block_size + 40 if blocks >= 1 else None
 
