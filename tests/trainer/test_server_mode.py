@@ -79,6 +79,14 @@ def train_and_check_the_sync(server, tmp_path, model_path: Path, *, min_candidat
         assert ver.engine["platform"] == "cpu" and ver.engine["compiled"], ver.engine
         assert [c.profile for c in ver.candidates][0] == "vllm-compiled" and len(ver.candidates) >= min_candidates
         assert trainer.roundalign_report.profile == trainer.roundalign_profile == "vllm-compiled"
+        # One producer of engine facts: the server's workers answered `worker_facts` (through /collective_rpc), the
+        # function a colocated engine's workers answer, so its layout holds what they compute with.
+        from trl_roundalign.engine.layout import cpu_vector_isa, vllm_cpu_kernel_library
+
+        layout = trainer.roundalign_layout
+        assert layout.cpu_isa == cpu_vector_isa()[0] and layout.kernel_library == vllm_cpu_kernel_library()
+        assert layout.attention_threads and layout.attention_kv_split is False and layout.weight_sync_fix is True
+        assert layout.attention_prefill_alone is False  # the server prefills a step's prompts together
         ids = trainer.processing_class(TEXT)["input_ids"]
 
         train_and_check_the_server_follows(trainer, client, ids)

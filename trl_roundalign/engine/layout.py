@@ -129,10 +129,31 @@ def cpu_vector_isa() -> tuple[str, int] | None:
     return str(isa), int(isa.nelements(torch.float))
 
 
-# The key of `additional_config` under which the package's own facts of an engine travel: a server started by
-# `trl_roundalign.weight_transfer.serve` reports them there (its /server_info shows them); a colocated engine's are read
-# from its workers (`worker_facts`) and put under the same key before the one reader parses them.
+# The key of `additional_config` under which the package's own facts of an engine travel to the one reader: read from
+# the engine's workers (`worker_facts`, the one producer) and put under it (`with_worker_facts`), for a colocated engine
+# (`llm.collective_rpc`) and for a server (`trl-roundalign serve` gives its workers `WorkerFacts`, which the trainer
+# calls through the server's /collective_rpc); a server of an older release reported them there itself.
 FACTS_KEY = "roundalign_layout"
+# The worker extension `trl-roundalign serve` starts the server's workers with, and the method the trainer calls.
+WORKER_EXTENSION = f"{__name__}.WorkerFacts"
+WORKER_FACTS_METHOD = "roundalign_worker_facts"
+
+
+class WorkerFacts:
+    """A vLLM worker extension (`--worker-extension-cls`): the worker answers `worker_facts` about itself through the
+    engine's collective RPC, which a server exposes as /collective_rpc (dev mode, token-guarded)."""
+
+    def roundalign_worker_facts(self) -> dict:
+        return worker_facts(self)
+
+
+def with_worker_facts(server_info: dict, facts: dict | None) -> dict:
+    """`server_info` (a `/server_info` JSON answer) with the workers' `facts` under `additional_config[FACTS_KEY]`,
+    over what it held there: the form `layout_or_why` reads."""
+    config = dict(server_info.get("vllm_config") or {})
+    extra = dict(config.get("additional_config") or {})
+    extra[FACTS_KEY] = {**(extra.get(FACTS_KEY) or {}), **(facts or {})}
+    return {**server_info, "vllm_config": {**config, "additional_config": extra}}
 
 
 def worker_facts(worker=None) -> dict:
@@ -188,16 +209,15 @@ def server_info_of(llm_or_config) -> dict:
     if not hasattr(cfg, "compilation_config"):
         raise TypeError(f"Expected a vllm.LLM or VllmConfig, got {type(llm_or_config).__name__}.")
     config = pydantic.TypeAdapter(VllmConfig).dump_python(cfg, mode="json", fallback=str)
-    facts = dict((config.get("additional_config") or {}).get(FACTS_KEY) or {})
     if is_llm:
-        facts.update(llm_or_config.collective_rpc(worker_facts)[0])
+        facts = llm_or_config.collective_rpc(worker_facts)[0]
     else:  # a configuration without an engine: this process's facts
-        facts.update({k: v for k, v in worker_facts().items() if k not in ("gemm_block_rows", "gemm_min_rows", "inductor_dir")})
+        facts = {k: v for k, v in worker_facts().items() if k not in ("gemm_block_rows", "gemm_min_rows", "inductor_dir")}
         from .prefill import prefill_alone_in_worker
 
         facts["attention_prefill_alone"] = prefill_alone_in_worker(cfg)
-    config["additional_config"] = {**(config.get("additional_config") or {}), FACTS_KEY: facts}
-    return {"vllm_config": config, "system_env": {"vllm_version": vllm.__version__, "torch_version": torch.__version__}}
+    answer = {"vllm_config": config, "system_env": {"vllm_version": vllm.__version__, "torch_version": torch.__version__}}
+    return with_worker_facts(answer, facts)
 
 
 _READ: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

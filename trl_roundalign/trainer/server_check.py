@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from ..engine.layout import EngineLayout, layout_or_why
+from ..engine.layout import WORKER_FACTS_METHOD, EngineLayout, layout_or_why, with_worker_facts
 from ..profiles import is_exact
 
 logger = logging.getLogger("trl_roundalign.trainer.grpo")  # the trainer's log, where users (and tests) read the check
@@ -65,8 +65,8 @@ class ServerCheck:
         if self.client is not None:
             try:
                 response = self.client.session.get(f"{self.url}/server_info", params={"config_format": "json"})
-                payload = [layout_or_why(response.json()) if response.status_code == 200 else
-                           (None, f"its /server_info answered {response.status_code}")]
+                payload = [layout_or_why(with_worker_facts(response.json(), self._worker_facts()))
+                           if response.status_code == 200 else (None, f"its /server_info answered {response.status_code}")]
             except Exception as e:  # noqa: BLE001 - broadcast, so that no process waits for a payload that never comes
                 payload = [(None, "request failed: " + " ".join(f"{type(e).__name__}: {e}".split()))]
             except BaseException as e:  # Ctrl-C or SystemExit while waiting for the server: every process exits with it
@@ -78,6 +78,22 @@ class ServerCheck:
         server_tp_refusal(layout, self.model_type, self.url)
         self._read = (layout, about)
         return self._read
+
+    def _worker_facts(self) -> dict | None:
+        """The server's first worker's `engine.layout.worker_facts` (the producer a colocated engine is read with),
+        through its /collective_rpc (`trl-roundalign serve` starts its workers with `engine.layout.WorkerFacts`);
+        None, with a warning, where the server does not answer them (another server, or a user's own worker
+        extension): the layout's facts of its workers are then unknown, never guessed."""
+        response = self.client.session.post(f"{self.url}/collective_rpc", json={"method": WORKER_FACTS_METHOD})
+        try:
+            results = response.json().get("results") if response.status_code == 200 else None
+        except ValueError:  # not JSON
+            results = None
+        if not results or not isinstance(results[0], dict):
+            logger.warning("The vLLM server at %s does not report its workers' facts (/collective_rpc %s answered %s): "
+                           "start it with trl-roundalign serve.", self.url, WORKER_FACTS_METHOD, response.status_code)
+            return None
+        return results[0]
 
     def unverified_layout(self) -> EngineLayout | None:
         """An explicit profile with the start-up check off: the layout all the same (for the row blocks and TP layout);

