@@ -1,6 +1,6 @@
 """Is this machine's bf16 GEMM batch-invariant at the project's models' shapes, and is the row-block schedule?
 
-For each model's linear shapes as the engine computes them (`gemm.linear_shapes`: q/k/v and gate/up fused, o, down,
+For each model's linear shapes as the engine computes them (`models.linear_shapes`: q/k/v and gate/up fused, o, down,
 lm_head), `gemm.measure_batch_invariance` multiplies random bf16 rows once as a whole (1024 rows) and as their first
 M rows for every M of `gemm.row_counts(1024)` (1-32, then steps of ~7%), and each of the first 128 rows alone (a
 decode step with one running sequence), with plain `F.linear` and with row blocks of 64 and 128; fused shapes are
@@ -24,6 +24,7 @@ import torch  # noqa: E402
 from _results import cpu_model, write_table  # noqa: E402
 
 from trl_roundalign.engine import gemm, set_offline_defaults  # noqa: E402
+from trl_roundalign.models import linear_shapes  # noqa: E402
 
 set_offline_defaults(ROOT / ".cache")
 
@@ -53,7 +54,7 @@ def main(argv=None) -> None:
     ]
     t0 = time.time()
     for model, cfg in configs().items():
-        shapes = gemm.linear_shapes(cfg)
+        shapes = linear_shapes(cfg)
         reports = {b: gemm.measure_batch_invariance(shapes, a.rows, block_rows=b) for b in (0, 64, 128)}
         for i, name in enumerate(shapes):
             res = {b: r.shapes[i] for b, r in reports.items()}

@@ -230,12 +230,13 @@ def cmd_card_diff(args) -> int:
 def _gemm_rows(model: str | None) -> dict[str, str]:
     """`env`'s lines on the CPU kind and the GEMM's batch invariance (plain F.linear, and the schedule if needed)."""
     from .engine import gemm
+    from .models import linear_shapes
 
     if model is not None:
         from transformers import AutoConfig
 
         try:
-            shapes, where = gemm.linear_shapes(AutoConfig.from_pretrained(model)), f"{model}'s shapes"
+            shapes, where = linear_shapes(AutoConfig.from_pretrained(model)), f"{model}'s shapes"
         except (OSError, ValueError) as e:
             raise UsageError(f"--gemm-model {model}: cannot read its config ({one_line(e)}).") from None
     else:

@@ -13,6 +13,7 @@ from helpers.env import subprocess_env
 from trl_roundalign.analysis.analyze import analyze
 from trl_roundalign.local_models import smollm2_135m, tiny_model
 from trl_roundalign.metrics import METRIC_KEYS
+from trl_roundalign.models import linear_shapes
 
 FILES = ("summary.md", "summary.json", "per_token.csv", "kl_by_condition.png", "abs_logp_diff_cdf.png", "prob_scatter.png")
 
@@ -182,7 +183,7 @@ def test_cli_env():
 
     assert "cpu kind" in proc.stdout and gemm.cpu_kind() in proc.stdout
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("GEMM at SmolLM2-135M's shapes"))
-    plain = gemm.measure_batch_invariance(gemm.linear_shapes(_smollm2_config()), 1024)
+    plain = gemm.measure_batch_invariance(linear_shapes(_smollm2_config()), 1024)
     assert ("batch-invariant" in line) == plain.invariant, (line, plain.summary())
     assert ("with a schedule" in proc.stdout) == (not plain.invariant)
     tiny = run_cli("env", "--gemm-model", str(tiny_model("qwen3")))

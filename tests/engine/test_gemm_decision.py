@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from transformers import AutoConfig
 
-from trl_roundalign.engine.gemm import decide_schedule, linear_shapes
+from trl_roundalign.engine.gemm import decide_schedule
+from trl_roundalign.models import linear_shapes
 
 
 def test_the_tp_shards_are_measured_beside_the_whole_shapes(tiny_models):

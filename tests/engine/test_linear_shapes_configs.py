@@ -1,4 +1,4 @@
-"""`engine.gemm.linear_shapes` measures at the shapes each family runs, and reads every family's config as transformers 5.19 builds it: that release gives every
+"""`models.linear_shapes` measures at the shapes each family runs, and reads every family's config as transformers 5.19 builds it: that release gives every
 config a `per_layer_config` view, and a Qwen2 config's has no per-layer head dim (reading it raised; the GEMM schedule
 measured on the Intel Xeon AVX-512 machine then failed every tiny-qwen2 engine). No engine: configs only."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from transformers import Qwen2Config, Qwen3Config
 
-from trl_roundalign.engine.gemm import linear_shapes
+from trl_roundalign.models import linear_shapes
 
 
 def test_a_config_without_a_head_dim_field_uses_hidden_over_heads():

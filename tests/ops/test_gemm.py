@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from helpers.bitwise import assert_bitwise_equal
 
 from trl_roundalign import gemm
+from trl_roundalign.models import linear_shapes
 
 SMOLLM2 = {"gate_up_proj": (576, 1536, 1536), "down_proj": (1536, 576), "o_proj": (576, 576)}
 
@@ -154,7 +155,7 @@ def test_choose_schedule_follows_the_measurement():
     cfg = Qwen3Config(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
                       head_dim=64, vocab_size=2048)
     schedule, report = gemm.choose_schedule(cfg, 300)
-    plain = gemm.measure_batch_invariance(gemm.linear_shapes(cfg), 300)
+    plain = gemm.measure_batch_invariance(linear_shapes(cfg), 300)
     # "auto" uses plain F.linear exactly where plain is invariant on this machine; otherwise the checked schedule.
     assert schedule.plain == plain.invariant, plain.summary()
     assert report.invariant
@@ -273,7 +274,7 @@ def test_explicit_zero_where_plain_is_variant_is_refused_in_one_line():
 
     cfg = Qwen3Config(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
                       head_dim=64, vocab_size=2048)
-    plain = gemm.measure_batch_invariance(gemm.linear_shapes(cfg), 300)
+    plain = gemm.measure_batch_invariance(linear_shapes(cfg), 300)
     if plain.invariant:
         assert gemm.choose_schedule(cfg, 300, requested=0)[0].plain
         return

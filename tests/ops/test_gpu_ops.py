@@ -51,7 +51,7 @@ from helpers.kernel_checks import gen as _gen
 from helpers.kernel_checks import grads as _grads
 from helpers.kernel_checks import rms_norm_fp64 as _rms_norm_fp64
 
-from trl_roundalign.engine.dispatch import inductor_option
+from trl_roundalign.machine import inductor_option
 from trl_roundalign.ops import add_rms_norm, qk_norm_rope, rms_norm, rope, swiglu
 from trl_roundalign.profiles import get_profile
 

@@ -10,6 +10,7 @@ from helpers.trainer import make_config, varied_reward
 from trl_roundalign import RoundAlignGRPOTrainer
 from trl_roundalign.data import arithmetic_dataset
 from trl_roundalign.local_models import tiny_model
+from trl_roundalign.models import linear_shapes
 from trl_roundalign.profiles import ALL_REGIONS
 from trl_roundalign.trainer.startup_check import ProfileMismatch
 
@@ -99,7 +100,7 @@ def test_exact_mode_refuses_plain_linears_where_the_gemm_is_batch_variant(tmp_pa
     path = tiny_model("llama", **SMOLLM2_WIDTH)
     args = make_config(tmp_path, max_steps=1, roundalign_regions=list(ALL_REGIONS), roundalign_gemm_block_rows="0",
                        per_device_train_batch_size=4, vllm_max_model_length=256)
-    plain = gemm.measure_batch_invariance(gemm.linear_shapes(AutoConfig.from_pretrained(path)), 1024)
+    plain = gemm.measure_batch_invariance(linear_shapes(AutoConfig.from_pretrained(path)), 1024)
     if plain.invariant:
         pytest.skip(f"this machine's GEMM is batch-invariant at these shapes ({plain.summary()}): nothing to refuse")
     with pytest.raises(ValueError) as err:

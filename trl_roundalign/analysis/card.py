@@ -303,12 +303,13 @@ def _shapes_of(name: str, model: str, model_path) -> dict:
     from transformers import AutoConfig
 
     from ..engine import gemm
+    from ..models import linear_shapes
 
     if name == "smollm2-135m":
         return dict(gemm.SMOLLM2_SHAPES)
     from ..local_models import resolve_model
 
-    return gemm.linear_shapes(AutoConfig.from_pretrained(str(model_path if name == model else resolve_model(name))))
+    return linear_shapes(AutoConfig.from_pretrained(str(model_path if name == model else resolve_model(name))))
 
 
 def _commit() -> str | None:

@@ -44,18 +44,6 @@ WORKERS_FIX_ENV = "ROUNDALIGN_VLLM_CPU_WORKERS_FIX"
 _GLOO_ATTR = "_roundalign_gloo_weight_sync_fix"
 
 
-def inductor_option(name: str):
-    """The value of a (dotted) `torch._inductor.config` option, or None where this torch has no such option."""
-    import torch._inductor.config as cfg
-
-    obj = cfg
-    for part in name.split("."):
-        if not hasattr(obj, part):
-            return None
-        obj = getattr(obj, part)
-    return obj
-
-
 def is_vllm_cpu() -> bool:
     """True when vLLM is installed and its current platform is the CPU."""
     try:

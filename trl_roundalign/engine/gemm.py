@@ -43,10 +43,11 @@ import logging
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from ..ops.linear import _MARK, _MIN_MARK, PLAIN, GemmSchedule, module_schedule
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +69,6 @@ __all__ = [
     "cpu_kind",
     "install_row_blocked_linears",
     "linear",
-    "linear_shapes",
     "measure_batch_invariance",
     "remove_row_blocked_linears",
     "row_blocked_linear",
@@ -87,32 +87,6 @@ SINGLE_ROWS = 128
 # The largest row floor "auto" tries: a machine whose GEMM differs only below this many rows gets a floor one above
 # its largest variant row count; one that differs at more rows (Intel AMX: 34-682) gets row blocks.
 MAX_FLOOR_ROWS = 8
-
-
-class GemmSchedule(NamedTuple):
-    """How both sides' linears compute their rows (`linear`): `block_rows` > 0, in blocks of exactly that many rows;
-    else `min_rows` > 1, a call of fewer rows zero-padded to `min_rows`; else plain `F.linear`."""
-
-    block_rows: int = 0
-    min_rows: int = 0
-
-    @property
-    def plain(self) -> bool:
-        return self.block_rows <= 0 and self.min_rows <= 1
-
-    def describe(self) -> str:
-        if self.block_rows > 0:
-            return f"row blocks of {self.block_rows}"
-        if self.min_rows > 1:
-            return f"a row floor of {self.min_rows} (calls of fewer rows zero-padded)"
-        return "plain F.linear"
-
-    def tag(self) -> str:
-        """Its part of the compile cache's folder name."""
-        return f"rows{self.block_rows}" + (f"min{self.min_rows}" if self.block_rows <= 0 and self.min_rows > 1 else "")
-
-
-PLAIN = GemmSchedule()  # plain F.linear
 
 
 def _env_rows(name: str) -> int:
@@ -263,8 +237,6 @@ def linear(
 # The trainer's linears
 # ------------------------------------------------------------------------------------------------
 
-_MARK = "_roundalign_row_blocks"
-_MIN_MARK = "_roundalign_min_rows"
 
 
 def install_row_blocked_linears(model: torch.nn.Module, rows: int, min_rows: int = 0) -> int:
@@ -304,11 +276,6 @@ def remove_row_blocked_linears(model: torch.nn.Module) -> int:
     return n
 
 
-def module_schedule(module: torch.nn.Module) -> GemmSchedule:
-    """The GEMM schedule `install_row_blocked_linears` gave `module` (plain where none)."""
-    return GemmSchedule(module.__dict__.get(_MARK, 0), module.__dict__.get(_MIN_MARK, 0))
-
-
 def model_schedule(model: torch.nn.Module) -> GemmSchedule:
     """The GEMM schedule `model`'s linears compute with. Raises if they disagree."""
     found = {module_schedule(m) for m in model.modules() if isinstance(m, torch.nn.Linear)}
@@ -325,84 +292,6 @@ def model_block_rows(model: torch.nn.Module) -> int:
 # ------------------------------------------------------------------------------------------------
 # Measuring it
 # ------------------------------------------------------------------------------------------------
-
-
-def linear_shapes(config, tensor_parallel: int = 1) -> dict[str, tuple[int, ...]]:
-    """The model's linear shapes as the engine computes them: name -> (K, N) or, for the engine's fused
-    projections, (K, N1, N2, ...) (q/k/v and gate/up are one GEMM in vLLM, separate layers in transformers).
-
-    With `tensor_parallel` > 1 also the shapes each side computes then: every engine rank's shards (column-parallel
-    layers N / tp, row-parallel ones K / tp, the vocabulary / tp) and the policy's row-parallel partial products
-    (`tp.install_tp_linears`: K / tp), named `<layer>/tp<n>`."""
-    cfg = getattr(config, "text_config", None) or config
-    h = int(cfg.hidden_size)
-    heads = int(cfg.num_attention_heads)
-    kv = int(getattr(cfg, "num_key_value_heads", None) or heads)
-    per_layer = _per_layer_attention(cfg)
-    hd = per_layer[0][0] if per_layer else int(getattr(cfg, "head_dim", None) or h // heads)
-    inter = int(getattr(cfg, "intermediate_size", 0) or 0)
-    vocab = int(cfg.vocab_size)
-    # Qwen3.5's gated attention: q_proj computes each head's query and its output gate (vLLM's `attn_output_gate`).
-    q_width = heads * hd * (2 if _gated_attention(cfg) else 1)
-    shapes: dict[str, tuple[int, ...]] = {
-        "qkv_proj": (h, q_width, kv * hd, kv * hd),
-        "o_proj": (heads * hd, h),
-        "lm_head": (h, vocab),
-    }
-    # Gemma 4: per-layer head layouts (full-attention layers are wider) and the per-layer-input linears.
-    for layer_hd, layer_kv in per_layer[1:]:
-        shapes[f"qkv_proj@{layer_hd}"] = (h, heads * layer_hd, layer_kv * layer_hd, layer_kv * layer_hd)
-        shapes[f"o_proj@{layer_hd}"] = (heads * layer_hd, h)
-    ple = int(getattr(cfg, "hidden_size_per_layer_input", 0) or 0)
-    if ple:
-        shapes["per_layer_model_projection"] = (h, int(cfg.num_hidden_layers) * ple)
-        shapes["per_layer_input_gate"] = (h, ple)
-        shapes["per_layer_projection"] = (ple, h)
-    if "linear_attention" in (getattr(cfg, "layer_types", None) or ()):
-        # Qwen3.5's gated delta-net layers: the engine fuses q/k/v with z (`in_proj_qkvz`) and b with a (`in_proj_ba`),
-        # where transformers computes in_proj_qkv and in_proj_z, in_proj_b and in_proj_a.
-        kd = int(cfg.linear_num_key_heads) * int(cfg.linear_key_head_dim)
-        nv = int(cfg.linear_num_value_heads)
-        vd = nv * int(cfg.linear_value_head_dim)
-        shapes["in_proj_qkvz"] = (h, 2 * kd + vd, vd)
-        shapes["in_proj_ba"] = (h, nv, nv)
-        shapes["out_proj"] = (vd, h)
-    if inter:
-        shapes["gate_up_proj"] = (h, inter, inter)
-        shapes["down_proj"] = (inter, h)
-    tp = int(tensor_parallel)
-    if tp > 1:
-        for name, (k, *ns) in list(shapes.items()):
-            if name.startswith("per_layer_"):  # Gemma 4's per-layer-input linears (TP not measured for Gemma 4)
-                continue
-            row_parallel = name.split("@")[0] in ("o_proj", "down_proj", "out_proj")
-            shapes[f"{name}/tp{tp}"] = (k // tp, *ns) if row_parallel else (k, *(n // tp for n in ns))
-    return shapes
-
-
-def _gated_attention(cfg) -> bool:
-    """Whether the attention's q projection also computes an output gate per head (Qwen3.5: vLLM's
-    `Qwen3NextAttention` with `attn_output_gate`, true unless the config says otherwise)."""
-    return cfg.model_type in ("qwen3_5_text", "qwen3_next") and bool(getattr(cfg, "attn_output_gate", True))
-
-
-def _per_layer_attention(cfg) -> list[tuple[int, int]]:
-    """A config with per-layer attention layouts (Gemma 4's `per_layer_config`): the distinct (head dim, kv heads),
-    in layer order; [] for a homogeneous config. transformers 5.19 gives other configs a `per_layer_config` too (a
-    Qwen2 with sliding-window layers: per-layer windows, no per-layer head dim); their attention layout is global."""
-    layers = getattr(cfg, "per_layer_config", None)
-    if not layers:
-        return []
-    out: list[tuple[int, int]] = []
-    for i in range(int(cfg.num_hidden_layers)):
-        lc = layers[i]
-        head_dim, kv_heads = getattr(lc, "head_dim", None), getattr(lc, "num_key_value_heads", None)
-        if head_dim is None or kv_heads is None:  # not per-layer in this config (AttributeError subclasses included)
-            return []
-        pair = (int(head_dim), int(kv_heads))
-        if pair not in out:
-            out.append(pair)
-    return out
 
 
 # SmolLM2-135M's linear shapes (q/k/v and gate/up fused as the engine computes them), in `linear_shapes`' order: where
@@ -623,6 +512,8 @@ def choose_schedule(
     `max_rows` rows. An explicit size is row blocks of that size (0: plain `F.linear`), measured as it is. Raises
     `ValueError` with one line when the chosen schedule is not batch-invariant here (exact mode is then impossible).
     """
+    from ..models import linear_shapes  # the family's spec answers its shapes
+
     shapes = tuple(sorted(linear_shapes(config, tensor_parallel).items()))
     if requested == "auto":
         schedule, reports = auto_schedule(lambda s: _cached_measure(shapes, max_rows, s))

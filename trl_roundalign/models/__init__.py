@@ -21,7 +21,7 @@ from . import qwen3_moe as _qwen3_moe  # noqa: F401  (registers Qwen3-MoE)
 from .spec import ARCH_SPECS, ArchSpec, register_arch, require_attrs
 
 __all__ = [
-    "ARCH_SPECS", "ArchSpec", "default_reduction_lanes", "find_backbone", "get_spec", "reads_engine_code", "register_arch",
+    "ARCH_SPECS", "ArchSpec", "default_reduction_lanes", "linear_shapes", "find_backbone", "get_spec", "reads_engine_code", "register_arch",
     "exact_refusal_for", "takes_engine_lanes",
 ]
 
@@ -163,7 +163,7 @@ def default_reduction_lanes(
         spec: a family with its own reading (`ArchSpec.default_lanes`, e.g. Gemma 3).
     """
     if vector_floats is None:
-        from ..engine import cpu_vector_isa
+        from ..machine import cpu_vector_isa
 
         isa = cpu_vector_isa()
         vector_floats = isa[1] if isa else 16
@@ -174,3 +174,38 @@ def default_reduction_lanes(
         odd_post = name.endswith("post_attention_layernorm") and int(name.split(".")[1]) % 2 == 1
         lanes.append(vector_floats if odd_post else 2 * vector_floats)
     return lanes
+
+
+def linear_shapes(config, tensor_parallel: int = 1) -> dict[str, tuple[int, ...]]:
+    """THE model's linear shapes as the engine computes them (what `engine.gemm` measures batch invariance at): name ->
+    (K, N) or, for the engine's fused projections, (K, N1, N2, ...) (q/k/v and gate/up are one GEMM in vLLM, separate
+    layers in transformers); the Llama form, with what the family's spec says differs (`ArchSpec.linear_shapes`).
+
+    With `tensor_parallel` > 1 also the shapes each side computes then: every engine rank's shards (column-parallel
+    layers N / tp, row-parallel ones K / tp, the vocabulary / tp) and the policy's row-parallel partial products
+    (`tp.install_tp_linears`: K / tp), named `<layer>/tp<n>`."""
+    cfg = getattr(config, "text_config", None) or config
+    spec = ARCH_SPECS.get(getattr(cfg, "model_type", None))
+    family = spec.linear_shapes(cfg) if spec is not None and spec.linear_shapes is not None else {}
+    h, inter = int(cfg.hidden_size), int(getattr(cfg, "intermediate_size", 0) or 0)
+    shapes: dict[str, tuple[int, ...]] = {}
+    if "qkv_proj" not in family:  # the family's own attention layout where it gives one (Gemma 4's per layer)
+        heads = int(cfg.num_attention_heads)
+        kv = int(getattr(cfg, "num_key_value_heads", None) or heads)
+        hd = int(getattr(cfg, "head_dim", None) or h // heads)
+        shapes["qkv_proj"] = (h, heads * hd, kv * hd, kv * hd)
+        shapes["o_proj"] = (heads * hd, h)
+    shapes["lm_head"] = (h, int(cfg.vocab_size))
+    if inter:
+        shapes["gate_up_proj"] = (h, inter, inter)
+        shapes["down_proj"] = (inter, h)
+    shapes.update(family)
+    tp = int(tensor_parallel)
+    if tp > 1:
+        for name, (k, *ns) in list(shapes.items()):
+            if name.startswith("per_layer_"):  # Gemma 4's per-layer-input linears (TP not measured for Gemma 4)
+                continue
+            row_parallel = name.split("@")[0] in ("o_proj", "down_proj", "out_proj")
+            shapes[f"{name}/tp{tp}"] = (k // tp, *ns) if row_parallel else (k, *(n // tp for n in ns))
+    return shapes
+

@@ -36,7 +36,7 @@ import types
 import torch
 
 from .. import ops
-from ..engine.gemm import module_schedule
+from ..ops.linear import module_schedule
 from .decoder import _as_forward_of, _state, attention_core
 from .gemma3 import gemma3_embed_forward, gemma3_mlp_forward
 from .spec import ArchSpec, register_arch, require_attrs
@@ -279,6 +279,33 @@ def check_gemma4_structure(backbone: torch.nn.Module, spec: ArchSpec) -> None:
         need(layer.mlp, spec.mlp_attrs, f"{p}.mlp")
 
 
+def gemma4_linear_shapes(cfg) -> dict[str, tuple[int, ...]]:
+    """Gemma 4's linears where they differ from the Llama form (`models.linear_shapes`): per-layer attention layouts
+    (`per_layer_config`: the full-attention layers are wider; the first layer's layout is the Llama entries, each
+    other distinct one `qkv_proj@<head dim>`, `o_proj@<head dim>`) and the per-layer-input linears."""
+    h, heads = int(cfg.hidden_size), int(cfg.num_attention_heads)
+    shapes: dict[str, tuple[int, ...]] = {}
+    layouts: list[tuple[int, int]] = []
+    layers = getattr(cfg, "per_layer_config", None) or []
+    for i in range(int(cfg.num_hidden_layers) if layers else 0):
+        head_dim, kv_heads = getattr(layers[i], "head_dim", None), getattr(layers[i], "num_key_value_heads", None)
+        if head_dim is None or kv_heads is None:  # not per-layer in this config
+            layouts = []
+            break
+        if (int(head_dim), int(kv_heads)) not in layouts:
+            layouts.append((int(head_dim), int(kv_heads)))
+    for k, (hd, kv) in enumerate(layouts):
+        suffix = f"@{hd}" if k else ""
+        shapes[f"qkv_proj{suffix}"] = (h, heads * hd, kv * hd, kv * hd)
+        shapes[f"o_proj{suffix}"] = (heads * hd, h)
+    ple = int(getattr(cfg, "hidden_size_per_layer_input", 0) or 0)
+    if ple:
+        shapes["per_layer_model_projection"] = (h, int(cfg.num_hidden_layers) * ple)
+        shapes["per_layer_input_gate"] = (h, ple)
+        shapes["per_layer_projection"] = (ple, h)
+    return shapes
+
+
 GEMMA4 = register_arch(
     ArchSpec(
         "gemma4_text",
@@ -299,5 +326,6 @@ GEMMA4 = register_arch(
         layer_forward_regions=("rmsnorm", "swiglu"),
         bind_extra=bind_gemma4_extra,
         engine_code_facts=True,
+        linear_shapes=gemma4_linear_shapes,
     )
 )

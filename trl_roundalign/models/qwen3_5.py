@@ -165,6 +165,23 @@ def check_qwen3_5_structure(backbone: torch.nn.Module, spec: ArchSpec) -> None:
         need(layer.mlp, spec.mlp_attrs, f"{p}.mlp")
 
 
+def qwen3_5_linear_shapes(cfg) -> dict[str, tuple[int, ...]]:
+    """Qwen3.5's linears where they differ from the Llama form (`models.linear_shapes`): the attention's q projection
+    also computes each head's output gate (vLLM's `attn_output_gate`, true unless the config says otherwise), and the
+    gated delta-net layers' projections, which the engine fuses (q/k/v with z: `in_proj_qkvz`; b with a: `in_proj_ba`)
+    where transformers computes in_proj_qkv and in_proj_z, in_proj_b and in_proj_a."""
+    h, heads, hd = int(cfg.hidden_size), int(cfg.num_attention_heads), int(cfg.head_dim)
+    kv = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    gate = 2 if bool(getattr(cfg, "attn_output_gate", True)) else 1
+    shapes: dict[str, tuple[int, ...]] = {"qkv_proj": (h, heads * hd * gate, kv * hd, kv * hd), "o_proj": (heads * hd, h)}
+    if "linear_attention" in (getattr(cfg, "layer_types", None) or ()):
+        kd = int(cfg.linear_num_key_heads) * int(cfg.linear_key_head_dim)
+        nv = int(cfg.linear_num_value_heads)
+        vd = nv * int(cfg.linear_value_head_dim)
+        shapes.update({"in_proj_qkvz": (h, 2 * kd + vd, vd), "in_proj_ba": (h, nv, nv), "out_proj": (vd, h)})
+    return shapes
+
+
 QWEN3_5 = register_arch(
     ArchSpec(
         "qwen3_5_text",
@@ -178,5 +195,6 @@ QWEN3_5 = register_arch(
         profiles=QWEN3_5_PROFILES,
         exact_unavailable=qwen3_5_exact_unavailable,
         attention_forward_regions=("rope", "swiglu", "attention"),
+        linear_shapes=qwen3_5_linear_shapes,
     )
 )

@@ -45,7 +45,7 @@ _SIGMOID_BLOCK = 16384  # below ATen's parallel grain (32768): one thread, whole
 def qwen3_moe_exact_unavailable(config) -> str | None:
     """Why the exact profile cannot reproduce this model's engine here, or None (module docstring)."""
     try:
-        from ..engine import vllm_cpu_kernel_library
+        from ..machine import vllm_cpu_kernel_library
 
         library = vllm_cpu_kernel_library()
     except ImportError:

@@ -73,6 +73,10 @@ class ArchSpec:
     # "swiglu"); a layer without `self_attn` (a gated delta-net layer) keeps its mixer.
     attention_forward_regions: tuple[str, ...] = ("rope", "attention")
     bind_extra: Callable | None = None
+    # The family's linear layers as the engine computes them, where they differ from the Llama form (`models.
+    # linear_shapes`): `linear_shapes(text_config)` returns the entries that replace or extend it (Qwen3.5's gated q
+    # projection and gated delta-net projections, Gemma 4's per-layer attention widths and per-layer-input linears).
+    linear_shapes: Callable | None = None
 
 
 ARCH_SPECS: dict[str, ArchSpec] = {}

@@ -178,3 +178,27 @@ def round_keep_grad(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     a plain `.to(bf16)` would also round the gradient flowing back through it, so the backward would no longer be
     the fp32 derivative (OLMo 2's q/k path: 1.4% of d x off by up to 8% where the two RoPE branches cancel)."""
     return _RoundKeepGrad.apply(t, dtype)
+
+
+# The forms of an engine step's attention both sides compute (the engine's prefill-alone hook, `engine.prefill`, and the
+# exact attention region, `ops.attention`): one function each, here on the lowest floor both import.
+def block_pieces(start: int, end: int, block_size: int) -> list[tuple[int, int]]:
+    """The pieces a prefill request of positions `[start, end)` is computed in, in an engine that prefills each prompt
+    alone: cut at every multiple of `block_size` (the KV cache's block) inside it, each piece a request with past keys.
+    Each block's keys and values then come from computations that lie inside the block, so a block's bits depend on the
+    tokens up to it and the request starts inside it, never on how far its request went on: a prefix-cache hit (whole
+    blocks) reads keys and values the recipient's own prefill, cut the same way, would have computed."""
+    cuts = list(range((start // block_size + 1) * block_size, end, block_size))
+    return list(zip([start, *cuts], [*cuts, end]))
+
+
+def request_groups(query_lens: list[int]) -> list[tuple[int, int]] | None:
+    """The request ranges `[a, b)` the step's attention is computed in: each multi-token request alone, each run of
+    consecutive one-query requests together. None where that is the whole step already (nothing to split)."""
+    groups: list[tuple[int, int]] = []
+    for i, n in enumerate(query_lens):
+        if n == 1 and groups and groups[-1][1] == i and query_lens[groups[-1][0]] == 1:
+            groups[-1] = (groups[-1][0], i + 1)
+        else:
+            groups.append((i, i + 1))
+    return groups if len(groups) > 1 else None

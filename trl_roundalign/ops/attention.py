@@ -273,7 +273,7 @@ def _requests(lens: tuple[int, ...], prefill: tuple[tuple[int, ...], ...], block
     prefill), each cut at the cache's block boundaries with `pieces` (`engine.prefill.block_pieces`, what an engine
     that prefills each prompt alone computes); in decode form each later token is a one-query request whose sequence
     length is its prefix, over the same blocks. Queries keep the packed order."""
-    from ..engine.prefill import block_pieces
+    from ._common import block_pieces
 
     blocks = [(s + block_size - 1) // block_size for s in lens]
     first_block = [0]
@@ -309,7 +309,7 @@ def _requests(lens: tuple[int, ...], prefill: tuple[tuple[int, ...], ...], block
 def _calls(lens: tuple[int, ...], prefill: tuple[tuple[int, ...], ...], block_size: int, alone: bool = True):
     """The kernel calls of one forward (`engine.prefill.request_groups` over `_requests`' requests): per call
     `(first token, end token, seq_lens, query_start_loc, block_table)`, the offsets rebased to the call."""
-    from ..engine.prefill import request_groups
+    from ._common import request_groups
 
     _, seq_lens, query_start_loc, block_table, _ = _requests(lens, prefill, block_size, alone)
     loc = query_start_loc.tolist()

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from ...engine.dispatch import inductor_option
+from ...machine import inductor_option
 
 __all__ = [
     "ARITH_EAGER",
