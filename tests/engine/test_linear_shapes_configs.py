@@ -67,3 +67,24 @@ def test_qwen3_5_fused_shapes_are_the_engines():
     assert shapes["in_proj_qkvz"] == (128, 2 * 256 + 512, 512)
     assert shapes["in_proj_ba"] == (128, 4, 4)
     assert shapes["out_proj"] == (512, 128)
+
+
+def test_gemma4s_two_attention_layouts_are_its_specs_answer_for_shapes_and_the_prompt_horizon():
+    """Gemma 4's full-attention layers are wider (head dim 512 against the sliding layers' 256): its spec answers
+    both layouts (`models.attention_layouts`), which `linear_shapes` measures and the prompt-horizon measurement
+    reads. The horizon used to read the config's `head_dim`, which transformers 5.19 refuses for a per-layer Gemma 4
+    config (AmbiguousGlobalPerLayerAttributeError): an exact run whose engine prefilled prompts together stopped."""
+    from transformers import AutoConfig
+
+    from trl_roundalign.local_models import tiny_model
+    from trl_roundalign.models import attention_layouts
+
+    cfg = AutoConfig.from_pretrained(str(tiny_model("gemma4")))
+    layouts = attention_layouts(cfg)
+    assert [hd for hd, _, _ in layouts] == [256, 512]
+    shapes = linear_shapes(cfg)
+    for i, (hd, heads, kv) in enumerate(layouts):
+        suffix = f"@{hd}" if i else ""
+        assert shapes[f"qkv_proj{suffix}"][1:] == (heads * hd, kv * hd, kv * hd)
+    assert attention_layouts(Qwen3Config(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                                         num_key_value_heads=2, head_dim=32)) == [(32, 4, 2)]

@@ -21,7 +21,7 @@ from . import qwen3_moe as _qwen3_moe  # noqa: F401  (registers Qwen3-MoE)
 from .spec import ARCH_SPECS, ArchSpec, register_arch, require_attrs
 
 __all__ = [
-    "ARCH_SPECS", "ArchSpec", "default_reduction_lanes", "linear_shapes", "find_backbone", "get_spec", "reads_engine_code", "register_arch",
+    "ARCH_SPECS", "ArchSpec", "attention_layouts", "default_reduction_lanes", "linear_shapes", "find_backbone", "get_spec", "reads_engine_code", "register_arch",
     "exact_refusal_for", "takes_engine_lanes",
 ]
 
@@ -185,21 +185,19 @@ def linear_shapes(config, tensor_parallel: int = 1) -> dict[str, tuple[int, ...]
     layers N / tp, row-parallel ones K / tp, the vocabulary / tp) and the policy's row-parallel partial products
     (`tp.install_tp_linears`: K / tp), named `<layer>/tp<n>`."""
     cfg = getattr(config, "text_config", None) or config
-    spec = ARCH_SPECS.get(getattr(cfg, "model_type", None))
-    family = spec.linear_shapes(cfg) if spec is not None and spec.linear_shapes is not None else {}
     h, inter = int(cfg.hidden_size), int(getattr(cfg, "intermediate_size", 0) or 0)
     shapes: dict[str, tuple[int, ...]] = {}
-    if "qkv_proj" not in family:  # the family's own attention layout where it gives one (Gemma 4's per layer)
-        heads = int(cfg.num_attention_heads)
-        kv = int(getattr(cfg, "num_key_value_heads", None) or heads)
-        hd = int(getattr(cfg, "head_dim", None) or h // heads)
-        shapes["qkv_proj"] = (h, heads * hd, kv * hd, kv * hd)
-        shapes["o_proj"] = (heads * hd, h)
+    for i, (hd, heads, kv) in enumerate(attention_layouts(cfg)):  # the first layout's unnamed, others by head dim
+        suffix = f"@{hd}" if i else ""
+        shapes[f"qkv_proj{suffix}"] = (h, heads * hd, kv * hd, kv * hd)
+        shapes[f"o_proj{suffix}"] = (heads * hd, h)
     shapes["lm_head"] = (h, int(cfg.vocab_size))
     if inter:
         shapes["gate_up_proj"] = (h, inter, inter)
         shapes["down_proj"] = (inter, h)
-    shapes.update(family)
+    spec = ARCH_SPECS.get(getattr(cfg, "model_type", None))
+    if spec is not None and spec.linear_shapes is not None:
+        shapes.update(spec.linear_shapes(cfg))
     tp = int(tensor_parallel)
     if tp > 1:
         for name, (k, *ns) in list(shapes.items()):
@@ -208,4 +206,17 @@ def linear_shapes(config, tensor_parallel: int = 1) -> dict[str, tuple[int, ...]
             row_parallel = name.split("@")[0] in ("o_proj", "down_proj", "out_proj")
             shapes[f"{name}/tp{tp}"] = (k // tp, *ns) if row_parallel else (k, *(n // tp for n in ns))
     return shapes
+
+
+def attention_layouts(config) -> list[tuple[int, int, int]]:
+    """THE model's attention layouts: the distinct `(head dim, query heads, key-value heads)` of its layers, in layer
+    order (one for most families; Gemma 4's full-attention layers are wider: `ArchSpec.attention_layouts`). What
+    `linear_shapes` and the prompt-horizon measurement (`trainer.startup_check.model_prompt_horizon`) read."""
+    cfg = getattr(config, "text_config", None) or config
+    spec = ARCH_SPECS.get(getattr(cfg, "model_type", None))
+    if spec is not None and spec.attention_layouts is not None and (layouts := spec.attention_layouts(cfg)):
+        return list(layouts)
+    heads = int(cfg.num_attention_heads)
+    kv = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    return [(int(getattr(cfg, "head_dim", None) or int(cfg.hidden_size) // heads), heads, kv)]
 

@@ -279,31 +279,28 @@ def check_gemma4_structure(backbone: torch.nn.Module, spec: ArchSpec) -> None:
         need(layer.mlp, spec.mlp_attrs, f"{p}.mlp")
 
 
-def gemma4_linear_shapes(cfg) -> dict[str, tuple[int, ...]]:
-    """Gemma 4's linears where they differ from the Llama form (`models.linear_shapes`): per-layer attention layouts
-    (`per_layer_config`: the full-attention layers are wider; the first layer's layout is the Llama entries, each
-    other distinct one `qkv_proj@<head dim>`, `o_proj@<head dim>`) and the per-layer-input linears."""
-    h, heads = int(cfg.hidden_size), int(cfg.num_attention_heads)
-    shapes: dict[str, tuple[int, ...]] = {}
-    layouts: list[tuple[int, int]] = []
+def gemma4_attention_layouts(cfg) -> list[tuple[int, int, int]]:
+    """Gemma 4's attention layouts per layer (`per_layer_config`: the full-attention layers are wider), the distinct
+    `(head dim, query heads, key-value heads)` in layer order; [] where the config is not per-layer."""
+    heads = int(cfg.num_attention_heads)
     layers = getattr(cfg, "per_layer_config", None) or []
+    out: list[tuple[int, int, int]] = []
     for i in range(int(cfg.num_hidden_layers) if layers else 0):
         head_dim, kv_heads = getattr(layers[i], "head_dim", None), getattr(layers[i], "num_key_value_heads", None)
         if head_dim is None or kv_heads is None:  # not per-layer in this config
-            layouts = []
-            break
-        if (int(head_dim), int(kv_heads)) not in layouts:
-            layouts.append((int(head_dim), int(kv_heads)))
-    for k, (hd, kv) in enumerate(layouts):
-        suffix = f"@{hd}" if k else ""
-        shapes[f"qkv_proj{suffix}"] = (h, heads * hd, kv * hd, kv * hd)
-        shapes[f"o_proj{suffix}"] = (heads * hd, h)
-    ple = int(getattr(cfg, "hidden_size_per_layer_input", 0) or 0)
-    if ple:
-        shapes["per_layer_model_projection"] = (h, int(cfg.num_hidden_layers) * ple)
-        shapes["per_layer_input_gate"] = (h, ple)
-        shapes["per_layer_projection"] = (ple, h)
-    return shapes
+            return []
+        if (layout := (int(head_dim), heads, int(kv_heads))) not in out:
+            out.append(layout)
+    return out
+
+
+def gemma4_linear_shapes(cfg) -> dict[str, tuple[int, ...]]:
+    """Gemma 4's per-layer-input linears, beside the Llama form at each attention layout (`models.linear_shapes`)."""
+    h, ple = int(cfg.hidden_size), int(getattr(cfg, "hidden_size_per_layer_input", 0) or 0)
+    if not ple:
+        return {}
+    return {"per_layer_model_projection": (h, int(cfg.num_hidden_layers) * ple), "per_layer_input_gate": (h, ple),
+            "per_layer_projection": (ple, h)}
 
 
 GEMMA4 = register_arch(
@@ -327,5 +324,6 @@ GEMMA4 = register_arch(
         bind_extra=bind_gemma4_extra,
         engine_code_facts=True,
         linear_shapes=gemma4_linear_shapes,
+        attention_layouts=gemma4_attention_layouts,
     )
 )

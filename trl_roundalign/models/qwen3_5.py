@@ -173,7 +173,7 @@ def qwen3_5_linear_shapes(cfg) -> dict[str, tuple[int, ...]]:
     h, heads, hd = int(cfg.hidden_size), int(cfg.num_attention_heads), int(cfg.head_dim)
     kv = int(getattr(cfg, "num_key_value_heads", None) or heads)
     gate = 2 if bool(getattr(cfg, "attn_output_gate", True)) else 1
-    shapes: dict[str, tuple[int, ...]] = {"qkv_proj": (h, heads * hd * gate, kv * hd, kv * hd), "o_proj": (heads * hd, h)}
+    shapes: dict[str, tuple[int, ...]] = {"qkv_proj": (h, heads * hd * gate, kv * hd, kv * hd)}
     if "linear_attention" in (getattr(cfg, "layer_types", None) or ()):
         kd = int(cfg.linear_num_key_heads) * int(cfg.linear_key_head_dim)
         nv = int(cfg.linear_num_value_heads)

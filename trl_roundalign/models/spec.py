@@ -75,8 +75,11 @@ class ArchSpec:
     bind_extra: Callable | None = None
     # The family's linear layers as the engine computes them, where they differ from the Llama form (`models.
     # linear_shapes`): `linear_shapes(text_config)` returns the entries that replace or extend it (Qwen3.5's gated q
-    # projection and gated delta-net projections, Gemma 4's per-layer attention widths and per-layer-input linears).
+    # projection and gated delta-net projections, Gemma 4's per-layer-input linears).
     linear_shapes: Callable | None = None
+    # Gemma 4: the attention layouts per layer (`attention_layouts(text_config)`: the distinct `(head dim, query heads,
+    # key-value heads)` in layer order, [] where the config is not per-layer); None: one layout from the config.
+    attention_layouts: Callable | None = None
 
 
 ARCH_SPECS: dict[str, ArchSpec] = {}

@@ -584,13 +584,14 @@ def prefill_batch_invariant_tokens(
 
 
 def model_prompt_horizon(config, *, block_size: int | None = None) -> int | None:
-    """`trainer.startup_check.prefill_batch_invariant_tokens` at a model's attention shape (its config's head dim and
-    query/key-value head counts; a multimodal config's text part)."""
-    cfg = getattr(config, "text_config", None) or config
-    heads = int(cfg.num_attention_heads)
-    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
-    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
-    return prefill_batch_invariant_tokens(head_dim, heads, kv_heads, block_size=block_size or DEFAULT_BLOCK_SIZE)
+    """`trainer.startup_check.prefill_batch_invariant_tokens` at each of a model's attention layouts (`models.
+    attention_layouts`: head dim, query and key-value heads; Gemma 4 has two), the shortest; None where every layout
+    is batch-invariant up to the limit."""
+    from ..models import attention_layouts
+
+    found = [prefill_batch_invariant_tokens(hd, heads, kv, block_size=block_size or DEFAULT_BLOCK_SIZE)
+             for hd, heads, kv in attention_layouts(config)]
+    return min((n for n in found if n is not None), default=None)
 
 
 class PromptHorizon:
