@@ -30,7 +30,7 @@ def test_a_preempting_engine_is_reproduced_bit_for_bit(tmp_path, closing, correc
         tmp_path, max_steps=1, max_completion_length=1024, vllm_max_model_length=1280,
         roundalign_regions=["rope", "swiglu", "rmsnorm", "attention"], generation_kwargs={"ignore_eos": True},
         vllm_engine_kwargs={"num_gpu_blocks_override": 24}, roundalign_stop_on_unreproduced=True,
-        vllm_importance_sampling_correction=correction,
+        vllm_importance_sampling_correction=correction, roundalign_reuse_sampler_logps=False,  # TRL's forward runs
     )
     trainer = closing(RoundAlignGRPOTrainer(model=model, reward_funcs=varied_reward, args=args,
                                             train_dataset=arithmetic_dataset("train[:4]")))

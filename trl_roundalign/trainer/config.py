@@ -118,6 +118,16 @@ class RoundAlignGRPOConfig(GRPOConfig):
             "mismatch/unreproduced_tokens."
         },
     )
+    roundalign_reuse_sampler_logps: bool = field(
+        default=True,
+        metadata={
+            "help": "Exact mode: where TRL computes old log-probs at generation (importance-sampling correction on, "
+            "num_iterations > 1, or steps_per_generation not dividing the accumulation), the sampler's log-probs stand "
+            "in for that forward, bit for bit, on a batch whose every completion token the engine's schedule record "
+            "says the trainer reproduces (any other batch takes the forward; schedule/old_logps_from_sampler says "
+            "which). Off: TRL's forward on every batch."
+        },
+    )
     roundalign_lora_forward: str = field(
         default="merged",
         metadata={

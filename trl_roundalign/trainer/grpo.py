@@ -44,6 +44,7 @@ from .logprobs import install as install_sampler_logprobs
 from .logprobs import sampler_logprobs
 from .logprobs import supports as logprobs_supports
 from .masters import MasterWeightsOptimizer, aligned_fsdp2_policy, distributed_precision, noop_comm_hook
+from .old_logps import OLD_FROM_SAMPLER_KEY, OLD_FROM_SAMPLER_METRIC, reuses_sampler_logps, sampler_old_logps
 from .options import check_dtypes, check_options
 from .unreproduced import (
     CUTS_KEY,
@@ -568,7 +569,21 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ mismatch capture
 
+    def _generate(self, prompts):
+        out = super()._generate(prompts)
+        if self._roundalign_schedule is not None and reuses_sampler_logps(
+                self.args, exact=is_exact(self.roundalign_profile), recorded=True):
+            self._roundalign_stand_in = out[4]  # the sampler's log-probs, for TRL's old log-probs (`old_logps`)
+        return out
+
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        sampling, self._roundalign_stand_in = getattr(self, "_roundalign_stand_in", None), None
+        if sampling is not None and self._roundalign_generating and model is self.model:  # TRL's old log-probs, first
+            codes = self._roundalign_schedule.codes(attention_mask[:, -int(logits_to_keep):])
+            old = sampler_old_logps(sampling, codes, pad_to_multiple_of=self.pad_to_multiple_of, device=input_ids.device)
+            self._roundalign_old_from_sampler = old is not None
+            if old is not None:
+                return old, None, None
         reprefill, cuts = self._schedule_of(input_ids.shape[0], int(logits_to_keep))
         main_cuts = None if cuts is None else [row_cuts(cuts, r, 0) for r in range(input_ids.shape[0])]
         out = self._logps_in_form(model, input_ids, attention_mask, logits_to_keep, *args, cuts=main_cuts, **kwargs)
@@ -631,9 +646,14 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
             out = super()._generate_and_score_completions(inputs)
         finally:
             self._roundalign_generating = False
+        stood_in, self._roundalign_old_from_sampler = getattr(self, "_roundalign_old_from_sampler", None), None
+        if stood_in:
+            out[OLD_FROM_SAMPLER_KEY] = torch.ones(len(out["completion_mask"]), device=out["completion_mask"].device)
         if capture is not None and self.model.training:
             for name, value in capture.schedule_metrics().items():
                 self._metrics["train"][name].append(value)
+            if stood_in is not None:
+                self._metrics["train"][OLD_FROM_SAMPLER_METRIC].append(float(stood_in))
             out[UNREPRODUCED_KEY] = capture.codes(out["completion_mask"])
             reprefill, cuts = capture.reprefills(tuple(out["completion_mask"].shape)), capture.cuts(len(out["completion_mask"]))
             if reprefill is not None:
@@ -651,7 +671,9 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
         # Each generated batch is scored once, at the weights vLLM sampled with: with num_iterations > 1 the
         # same buffered inputs come back after updates (TRL then keeps old_per_token_logps from generation time).
         want = cb is not None and self.model.training and sampling is not None and not self._seen(sampling)
-        self._roundalign_capture = want and inputs.get("old_per_token_logps") is None
+        # The loss forward's log-probs are the step's check where TRL's old log-probs are none or the sampler's own.
+        own = inputs.get("old_per_token_logps") is None or OLD_FROM_SAMPLER_KEY in inputs
+        self._roundalign_capture = want and own
         self._roundalign_captured = None
         self._roundalign_reprefill = (inputs.get(REPREFILL_KEY), inputs.get(CUTS_KEY))
         try:
@@ -660,9 +682,7 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
             self._roundalign_capture = False
             self._roundalign_reprefill = (None, None)
         if want:
-            train_logps = inputs.get("old_per_token_logps")
-            if train_logps is None:
-                train_logps = self._roundalign_captured
+            train_logps = self._roundalign_captured if own else inputs.get("old_per_token_logps")
             mask = inputs["completion_mask"]
             if "tool_mask" in inputs:
                 mask = mask * inputs["tool_mask"]
