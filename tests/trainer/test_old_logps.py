@@ -53,10 +53,14 @@ def test_a_batch_with_a_token_not_reproduced_or_a_missing_log_prob_takes_the_for
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_the_sampler_standing_in_gives_the_same_loss_gradients_and_weights(tmp_path, closing):
-    """Two exact runs of one GRPO step with the importance-sampling correction on (TRL's default): one takes TRL's
-    old-logprob forward, one lets the sampler's log-probs stand in. Same seed, same completions: the same loss and
-    every weight bit-identical after the step; the step's check held in both (every token bit-identical)."""
+@pytest.mark.parametrize("setting", [dict(vllm_importance_sampling_correction=True, max_steps=1),
+                                     dict(vllm_importance_sampling_correction=False, num_iterations=2, max_steps=2)],
+                         ids=["is-correction", "two-iterations"])
+def test_the_sampler_standing_in_gives_the_same_loss_gradients_and_weights(tmp_path, closing, setting):
+    """Two exact runs with the importance-sampling correction on (TRL's default), or two iterations over each
+    generation (the second step's old log-probs are the first's): one takes TRL's old-logprob forward, one lets the
+    sampler's log-probs stand in. Same seed, same completions: the same losses and gradient norms, and every weight
+    bit-identical after the steps; the check held in both (every token bit-identical)."""
     from trl_roundalign import RoundAlignGRPOTrainer
     from trl_roundalign.data import arithmetic_dataset
     from trl_roundalign.local_models import tiny_model
@@ -65,20 +69,25 @@ def test_the_sampler_standing_in_gives_the_same_loss_gradients_and_weights(tmp_p
     runs = {}
     for reuse in (False, True):
         out = tmp_path / f"reuse-{reuse}"
-        cfg = make_config(out, max_steps=1, max_completion_length=64, roundalign_reuse_sampler_logps=reuse,
+        cfg = make_config(out, max_completion_length=64, roundalign_reuse_sampler_logps=reuse,
                           roundalign_regions=["rope", "swiglu", "rmsnorm", "attention"], learning_rate=1e-3,
-                          vllm_importance_sampling_correction=True, generation_kwargs={"ignore_eos": True})
+                          generation_kwargs={"ignore_eos": True}, **setting)
         trainer = closing(RoundAlignGRPOTrainer(model=model, reward_funcs=varied_reward, args=cfg,
                                                 train_dataset=arithmetic_dataset("train[:4]")))
         trainer.train()
-        [row] = [json.loads(x) for x in (out / "mismatch.jsonl").read_text().splitlines()[1:]]
-        [logged] = [h for h in trainer.state.log_history if "loss" in h]
+        rows = [json.loads(x) for x in (out / "mismatch.jsonl").read_text().splitlines()[1:]]
+        logged = [h for h in trainer.state.log_history if "loss" in h]
         weights = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
-        runs[reuse] = (row, logged, weights)
-    (row0, log0, w0), (row1, log1, w1) = runs[False], runs[True]
+        runs[reuse] = (rows, logged, weights)
+    (rows0, log0, w0), (rows1, log1, w1) = runs[False], runs[True]
     print(log0, log1)
-    assert "schedule/old_logps_from_sampler" not in log0 and log1["schedule/old_logps_from_sampler"] == 1.0
-    for row in (row0, row1):
+    assert len(log0) == len(log1) == setting["max_steps"]
+    # The sampler stood in on the generation's step (the second iteration reuses the batch, no generation).
+    assert all("schedule/old_logps_from_sampler" not in h for h in log0)
+    assert log1[0]["schedule/old_logps_from_sampler"] == 1.0
+    # Each generation checked once, at its first use (the generation's weights), every token bit-identical.
+    for rows in (rows0, rows1):
+        [row] = [r for r in rows if r["mismatch/tokens"]]
         assert row["mismatch/tokens"] == 4 * 64 and row["mismatch/frac_bitwise_equal"] == 1.0, row
-    assert log0["loss"] == log1["loss"] and log0["grad_norm"] == log1["grad_norm"]
+    assert [(h["loss"], h["grad_norm"]) for h in log0] == [(h["loss"], h["grad_norm"]) for h in log1]
     assert w0.keys() == w1.keys() and all(torch.equal(w0[k], w1[k]) for k in w0)
