@@ -135,6 +135,9 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
         self._roundalign_schedule = None  # exact mode's schedule records per generation (`unreproduced.ScheduleCapture`)
         self._roundalign_reprefill = (None, None)  # the batch's re-prefill points and cuts while its log-probs are computed
         self._roundalign_generating = False
+        # Exact mode's stand-in for TRL's old log-probs (`old_logps`): the generation's sampler log-probs, then whether
+        # they stood in.
+        self._roundalign_stand_in, self._roundalign_old_from_sampler = None, None
         self._roundalign_seen: dict[int, weakref.ref] = {}
         self._mismatch_callback: MismatchCallback | None = None
 
@@ -577,7 +580,7 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
         return out
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-        sampling, self._roundalign_stand_in = getattr(self, "_roundalign_stand_in", None), None
+        sampling, self._roundalign_stand_in = self._roundalign_stand_in, None
         if sampling is not None and self._roundalign_generating and model is self.model:  # TRL's old log-probs, first
             codes = self._roundalign_schedule.codes(attention_mask[:, -int(logits_to_keep):])
             old = sampler_old_logps(sampling, codes, pad_to_multiple_of=self.pad_to_multiple_of, device=input_ids.device)
@@ -646,7 +649,7 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
             out = super()._generate_and_score_completions(inputs)
         finally:
             self._roundalign_generating = False
-        stood_in, self._roundalign_old_from_sampler = getattr(self, "_roundalign_old_from_sampler", None), None
+        stood_in, self._roundalign_old_from_sampler = self._roundalign_old_from_sampler, None
         if stood_in:
             out[OLD_FROM_SAMPLER_KEY] = torch.ones(len(out["completion_mask"]), device=out["completion_mask"].device)
         if capture is not None and self.model.training:
