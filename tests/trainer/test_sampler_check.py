@@ -19,37 +19,38 @@ from trl_roundalign.trainer.startup_check import ProfileMismatch, Verification, 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
-def check(model_path, kv_split: str):
+def exact_policy(llm, model_path):
+    """The policy at `model_path` computing as `llm`'s engine in exact mode (every region), and its profile."""
     from transformers import AutoModelForCausalLM
-    from vllm import envs
 
     from trl_roundalign.analysis.conditions import Condition, apply_condition
-    from trl_roundalign.engine import (
-        build_llm,
-        close_llm,
-        engine_layout,
-        exact_profile_for,
-        inductor_reduction_lanes,
-        profile_for_engine,
-    )
-    from trl_roundalign.engine.build import KV_SPLIT_ENV
+    from trl_roundalign.engine import engine_layout, exact_profile_for, inductor_reduction_lanes, profile_for_engine
+    from trl_roundalign.engine.gemm import GemmSchedule
     from trl_roundalign.profiles import ALL_REGIONS
+
+    layout = engine_layout(llm)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16)
+    cond = Condition("exact", ALL_REGIONS, exact_profile_for(profile_for_engine(layout)))
+    apply_condition(model, cond, inductor_reduction_lanes(llm), layout.kv_block_size,
+                    engine_max_model_len=layout.max_model_len,
+                    gemm_schedule=GemmSchedule(layout.gemm_block_rows or 0, layout.gemm_min_rows or 0))
+    return model, cond.profile
+
+
+def check(model_path, kv_split: str):
+    from vllm import envs
+
+    from trl_roundalign.engine import build_llm, close_llm, engine_layout
+    from trl_roundalign.engine.build import KV_SPLIT_ENV
 
     before = os.environ.get(KV_SPLIT_ENV)
     os.environ[KV_SPLIT_ENV] = kv_split
     envs.disable_envs_cache()  # the engine about to start reads it (vLLM caches its environment per process)
-    from trl_roundalign.engine.gemm import GemmSchedule
-
     llm = build_llm(model_path, max_model_len=512)
     try:
-        layout = engine_layout(llm)
-        assert layout.attention_kv_split is (kv_split == "1")
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16)
-        cond = Condition("exact", ALL_REGIONS, exact_profile_for(profile_for_engine(layout)))
-        apply_condition(model, cond, inductor_reduction_lanes(llm), layout.kv_block_size,
-                        engine_max_model_len=layout.max_model_len,
-                        gemm_schedule=GemmSchedule(layout.gemm_block_rows or 0, layout.gemm_min_rows or 0))
-        result = Verification(cond.profile, cond.profile)
+        assert engine_layout(llm).attention_kv_split is (kv_split == "1")
+        model, profile = exact_policy(llm, model_path)
+        result = Verification(profile, profile)
         try:
             verify_against_sampler(model, llm, verification_sequences(llm.get_tokenizer()), result)
         except ProfileMismatch as e:
@@ -116,21 +117,10 @@ def test_the_sampler_check_provokes_each_form_of_the_engines_schedule_and_fails_
     request's own cached blocks), and recomputes each in its recorded form, every token bit-identical. The same
     check with the recorded cuts dropped on the trainer's side (a whole prefill where the engine chunked) must stop
     the run; where the two forms give the same bits on this CPU, it skips with that measurement."""
-    from transformers import AutoModelForCausalLM
-
-    from trl_roundalign.analysis.conditions import Condition, apply_condition
-    from trl_roundalign.engine import (
-        build_llm,
-        close_llm,
-        engine_layout,
-        exact_profile_for,
-        inductor_reduction_lanes,
-        profile_for_engine,
-    )
-    from trl_roundalign.engine.gemm import GemmSchedule, cpu_kind
+    from trl_roundalign.engine import build_llm, close_llm, engine_layout
+    from trl_roundalign.engine.gemm import cpu_kind
     from trl_roundalign.engine.schedule import RECORDING_SCHEDULER
     from trl_roundalign.local_models import tiny_model
-    from trl_roundalign.profiles import ALL_REGIONS
     from trl_roundalign.trainer import sampler_check
     from trl_roundalign.trainer.sampler_check import SAMPLER_CHECK_CHUNKED, SAMPLER_CHECK_PREEMPTED, long_prompt_tokens
     from trl_roundalign.trainer.unreproduced import ScheduleCapture
@@ -140,18 +130,14 @@ def test_the_sampler_check_provokes_each_form_of_the_engines_schedule_and_fails_
                     cache_tag="schedule", enable_prefix_caching=True, enable_chunked_prefill=True)
     try:
         layout = engine_layout(llm)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
-        cond = Condition("exact", ALL_REGIONS, exact_profile_for(profile_for_engine(layout)))
-        apply_condition(model, cond, inductor_reduction_lanes(llm), layout.kv_block_size,
-                        engine_max_model_len=layout.max_model_len,
-                        gemm_schedule=GemmSchedule(layout.gemm_block_rows or 0, layout.gemm_min_rows or 0))
+        model, profile = exact_policy(llm, path)
         capture = ScheduleCapture(llm)
         shared = long_prompt_tokens(layout.kv_block_size, layout.max_num_batched_tokens, layout.max_model_len)
         assert shared == 8 * 128 + 40
 
         def run():
             llm.reset_prefix_cache()
-            result = Verification(cond.profile, cond.profile)
+            result = Verification(profile, profile)
             try:
                 sampler_check.verify_against_sampler(
                     model, llm, verification_sequences(llm.get_tokenizer()), result, shared_tokens=shared, chunks=True,
