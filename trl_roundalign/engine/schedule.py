@@ -153,7 +153,7 @@ class RecordingScheduler(Scheduler):
         self.roundalign_provocation: Provocation | None = None  # set by `provoked` for the start-up check only
         # Per KV block id: the positions inside it where a computation of its keys and values started (request starts
         # that are not block boundaries: a chunk's, a decode step's). With each prefill cut at block boundaries
-        # (`engine.prefill.block_pieces`), they and the tokens before it are all a block's bits depend on: what a
+        # (`ops._common.block_pieces`), they and the tokens before it are all a block's bits depend on: what a
         # prefix-cache hit on it inherits.
         self._block_cuts: dict[int, set[int]] = {}
 

@@ -27,7 +27,7 @@ is therefore the engine's, bit for bit, when the call sees what the engine saw:
 - the same requests: a prefill request's tiling depends on its own query range, so the trainer computes each prompt
   in the requests the engine computed it in (`decode_from`: a whole prefill, or the chunks of a chunked prefill or a
   prefix hit's tail, each a request with past keys), each cut at the KV cache's block boundaries as exact mode's engine
-  cuts them (`engine.prefill.block_pieces`).
+  cuts them (`ops._common.block_pieces`).
 
 **Decode form** (`decode_from`, and `sampled_from` for the Hugging Face interface): what the engine's *sampler*
 computed. Each generated token's logits came from a decode step, one query over the paged cache of its prefix,
@@ -270,7 +270,7 @@ def _requests(lens: tuple[int, ...], prefill: tuple[tuple[int, ...], ...], block
     kernel only reads them): `(num_blocks, seq_lens, query_start_loc, block_table, slot_mapping)`. Each sequence
     has its own blocks and one prefill request per chunk of its first tokens (`prefill`: the chunks' ends, the last
     the prefill's length; a chunk after the first is a request with past keys, as the engine computes a chunked
-    prefill), each cut at the cache's block boundaries with `pieces` (`engine.prefill.block_pieces`, what an engine
+    prefill), each cut at the cache's block boundaries with `pieces` (`ops._common.block_pieces`, what an engine
     that prefills each prompt alone computes); in decode form each later token is a one-query request whose sequence
     length is its prefix, over the same blocks. Queries keep the packed order."""
     from ._common import block_pieces
@@ -307,7 +307,7 @@ def _requests(lens: tuple[int, ...], prefill: tuple[tuple[int, ...], ...], block
 
 @functools.lru_cache(maxsize=8)
 def _calls(lens: tuple[int, ...], prefill: tuple[tuple[int, ...], ...], block_size: int, alone: bool = True):
-    """The kernel calls of one forward (`engine.prefill.request_groups` over `_requests`' requests): per call
+    """The kernel calls of one forward (`ops._common.request_groups` over `_requests`' requests): per call
     `(first token, end token, seq_lens, query_start_loc, block_table)`, the offsets rebased to the call."""
     from ._common import request_groups
 
