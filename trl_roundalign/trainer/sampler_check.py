@@ -83,14 +83,14 @@ def verify_against_sampler(model, llm, sequences: list[list[int]], result: Verif
         shared, other, third = (pool[k : k + shared_tokens] for k in range(3))  # three prompts, no shared block
         calls += [([shared], [n], {}) for n in SAMPLER_CHECK_SHARED]
         tokens, after = SAMPLER_CHECK_PREEMPTED
-        calls.append(([other], [tokens], {"preempt_after": after, "seed": None}))  # its re-prefill may be chunked
+        calls.append(([other], [tokens], {"preempt_after": after}))
         if chunks:
-            calls.append(([third], [SAMPLER_CHECK_CHUNKED], {"chunk_tokens": shared_tokens // 3, "seed": None}))
+            calls.append(([third], [SAMPLER_CHECK_CHUNKED], {"chunk_tokens": shared_tokens // 3}))
     prompts, outs, recorded = [], [], []
     for call_prompts, lengths, provoke in calls:
-        seed = provoke.pop("seed", 1000)
+        # Seeded unless something is provoked: a provoked request's prefill or re-prefill may be chunked.
         params = [
-            SamplingParams(max_tokens=n, temperature=1.0, seed=None if seed is None else seed + len(prompts) + i,
+            SamplingParams(max_tokens=n, temperature=1.0, seed=None if provoke else 1000 + len(prompts) + i,
                            logprobs=0, ignore_eos=True)
             for i, n in enumerate(lengths)
         ]
