@@ -51,14 +51,15 @@ class Server:
     """A `trl-roundalign serve` process (`trl vllm-serve`'s arguments; own process group) and its log; no --host: the
     default is loopback."""
 
-    def __init__(self, model: Path, log: Path, backend: str = "gloo", extra: list[str] = (), env: dict | None = None):
+    def __init__(self, model: Path, log: Path, backend: str = "gloo", extra: list[str] = (), env: dict | None = None,
+                 max_model_len: int = 256):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         cmd = [
             str(Path(sys.executable).with_name("trl-roundalign")), "serve",  # the documented command (console script)
             "--model", str(model), "--port", str(self.port),
-            "--max_model_len", "256",
+            "--max_model_len", str(max_model_len),
             "--weight-transfer-config", json.dumps({"backend": backend}), *extra,
         ]  # fmt: skip
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), **(env or {}))

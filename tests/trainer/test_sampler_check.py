@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from trl_roundalign.trainer.sampler_check import SAMPLER_CHECK_TOKENS, verify_against_sampler
+from trl_roundalign.trainer.sampler_check import SAMPLER_CHECK_TOKENS, llm_sampler, verify_against_sampler
 from trl_roundalign.trainer.startup_check import ProfileMismatch, Verification, verification_sequences
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -52,7 +52,7 @@ def check(model_path, kv_split: str):
         model, profile = exact_policy(llm, model_path)
         result = Verification(profile, profile)
         try:
-            verify_against_sampler(model, llm, verification_sequences(llm.get_tokenizer()), result)
+            verify_against_sampler(model, llm_sampler(llm), verification_sequences(llm.get_tokenizer()), result)
         except ProfileMismatch as e:
             return result, str(e)
         return result, None
@@ -139,9 +139,10 @@ def test_the_sampler_check_provokes_each_form_of_the_engines_schedule_and_fails_
             llm.reset_prefix_cache()
             result = Verification(profile, profile)
             try:
+                forms = lambda: list(zip(capture.generations[-1], capture.kinds[-1]))  # noqa: E731
                 sampler_check.verify_against_sampler(
-                    model, llm, verification_sequences(llm.get_tokenizer()), result, shared_tokens=shared, chunks=True,
-                    forms=lambda: list(zip(capture.generations[-1], capture.kinds[-1])))
+                    model, sampler_check.llm_sampler(llm, forms), verification_sequences(llm.get_tokenizer()), result,
+                    shared_tokens=shared, chunks=True)
             except ProfileMismatch as e:
                 return result, str(e)
             return result, None

@@ -78,6 +78,12 @@ class EngineLayout:
     # Whether its scheduler records each request's schedule (`engine.schedule.RecordingScheduler`, exact mode's): then a
     # chunked prefill's cuts are read per request and reproduced (`prompts_alone` holds with chunking on).
     schedule_recorded: bool | None = None
+    # The fp32 lanes of each RMSNorm reduction of its compiled code, in forward order (`engine.lanes`), read by its
+    # worker from its own compile cache, and how many fused kernels its embedding took (`EngineLanes`); None where not
+    # read (`lanes_unread` says why): a server's, which the trainer cannot read itself.
+    reduction_lanes: list[int] | None = None
+    embedding_kernels: int | None = None
+    lanes_unread: str | None = None
 
     @property
     def compiled(self) -> bool:
@@ -168,7 +174,13 @@ def worker_facts(worker=None) -> dict:
         kv_split = bool(envs.VLLM_CPU_ATTN_SPLIT_KV)  # as the engine's attention metadata builder reads it
     from .prefill import prefill_alone_in_worker
 
+    lanes = {}
+    if is_vllm_cpu() and worker is not None:  # its own compile cache, read where it lives (a server's: its host)
+        from .inductor_code import lanes_in_worker
+
+        lanes = lanes_in_worker(getattr(worker, "vllm_config", None))
     return {
+        **lanes,
         "attention_kv_split": kv_split,
         "attention_prefill_alone": prefill_alone_in_worker(getattr(worker, "vllm_config", None)),
         "attention_threads": torch.get_num_threads() if is_vllm_cpu() else None,
@@ -321,6 +333,9 @@ def layout_or_why(server_info: dict) -> tuple[EngineLayout | None, str]:
         chunked_prefill=_bool_or_none((cfg.get("scheduler_config") or {}).get("enable_chunked_prefill")),
         prefix_caching=_bool_or_none((cfg.get("cache_config") or {}).get("enable_prefix_caching")),
         schedule_recorded=_records_schedules((cfg.get("scheduler_config") or {}).get("scheduler_cls")),
+        reduction_lanes=[int(v) for v in facts["reduction_lanes"]] if facts.get("reduction_lanes") else None,
+        embedding_kernels=_int_or_none(facts.get("embedding_kernels")),
+        lanes_unread=facts.get("lanes_unread"),
     )
     if mode is None and not info.enforce_eager:
         return info, f"{device}, compile mode not reported"

@@ -25,8 +25,8 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from ..metrics import UNREPRODUCED_CAUSES
 
 __all__ = [
-    "CAUSES", "FORM_KINDS", "Provocation", "RECORDING_SCHEDULER", "RecordingScheduler", "RequestSchedule", "UNRECORDED",
-    "provoked", "take_schedules",
+    "CAUSES", "FORM_KINDS", "Provocation", "RECORDING_SCHEDULER", "RECORD_KEY", "RecordingScheduler", "RequestSchedule",
+    "UNRECORDED", "provoked", "take_schedules",
 ]
 
 # Why a completion token was computed in a form the trainer did not reproduce (`mismatch/unreproduced_tokens/<cause>`).
@@ -36,6 +36,9 @@ assert UNRECORDED in CAUSES
 RECORDING_SCHEDULER = f"{__name__}.RecordingScheduler"
 # The forms of computation a request's record can show besides a whole prefill and decode steps (`RequestSchedule.kinds`).
 FORM_KINDS = ("prefix hit", "chunked", "re-prefilled")
+# The key a request's `kv_transfer_params` names to have its record returned with its output (server mode: vLLM hands a
+# finished request's `kv_transfer_params` back in its completion response), and under which the record comes back.
+RECORD_KEY = "roundalign_schedule"
 
 
 @dataclass
@@ -130,6 +133,38 @@ class RequestSchedule:
         """`form()`'s second half: the first completion token the trainer does not reproduce and why, or None."""
         return self.form()[1]
 
+    def as_json(self) -> dict:
+        """The record as JSON lists (what a server returns with the request's completion; `from_json` reads it back
+        whole). Each run of decode steps, `(P + o - 1, 1, o)` for `o = o0, o0 + 1, ...`, travels as `[o0, k]` (k steps),
+        every other step as `[start, tokens, outputs]`: a few bytes per request, not per token."""
+        steps: list[list[int]] = []
+        for start, n, outputs in self.steps:
+            decode = n == 1 and start == self.prompt_tokens + outputs - 1
+            if decode and steps and len(steps[-1]) == 2 and sum(steps[-1]) == outputs:
+                steps[-1][1] += 1
+            else:
+                steps.append([outputs, 1] if decode else [start, n, outputs])
+        return {"prompt_tokens": self.prompt_tokens, "steps": steps, "preemptions": [list(p) for p in self.preemptions],
+                "inherited": [[i, list(c)] for i, c in sorted(self.inherited.items())]}
+
+    @classmethod
+    def from_json(cls, data) -> RequestSchedule:
+        """The record `as_json` wrote; ValueError, naming what is wrong, for anything else."""
+        try:
+            prompt = int(data["prompt_tokens"])
+            steps: list[tuple[int, int, int]] = []
+            for step in data["steps"]:
+                if len(step) == 2:  # a run of decode steps
+                    steps += [(prompt + o - 1, 1, o) for o in range(int(step[0]), int(step[0]) + int(step[1]))]
+                elif len(step) == 3:
+                    steps.append(tuple(int(v) for v in step))
+                else:
+                    raise ValueError(f"a step of {len(step)} numbers")
+            return cls(prompt, steps, [tuple(int(v) for v in p) for p in data["preemptions"]],
+                       {int(i): tuple(int(c) for c in cuts) for i, cuts in data["inherited"]})
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"not a schedule record ({type(e).__name__}: {e}): {str(data)[:200]}") from None
+
 
 @dataclass
 class Provocation:
@@ -151,6 +186,7 @@ class RecordingScheduler(Scheduler):
         super().__init__(*args, **kwargs)
         self.roundalign_schedules: dict[str, RequestSchedule] = {}
         self.roundalign_provocation: Provocation | None = None  # set by `provoked` for the start-up check only
+        self._provoked_by: str | None = None  # or by this request (`add_request`), until it finishes
         # Per KV block id: the positions inside it where a computation of its keys and values started (request starts
         # that are not block boundaries: a chunk's, a decode step's). With each prefill cut at block boundaries
         # (`ops._common.block_pieces`), they and the tokens before it are all a block's bits depend on: what a
@@ -206,6 +242,30 @@ class RecordingScheduler(Scheduler):
     def _starts_prefill(record: RequestSchedule) -> bool:
         """Whether the step about to be recorded starts a prefill: the request's first, or its first after a preemption."""
         return not record.steps or any(at == len(record.steps) for at, _ in record.preemptions)
+
+    def add_request(self, request) -> None:
+        """A request whose `kv_transfer_params[RECORD_KEY]` is a dict asking for `chunk_tokens` or `preempt_after`
+        (a server's start-up check, which cannot reach this scheduler's fields) provokes them as `provoked` does, until
+        it finishes."""
+        asked = getattr(request, "kv_transfer_params", None)
+        ask = asked.get(RECORD_KEY) if isinstance(asked, dict) else None
+        if isinstance(ask, dict) and (ask.get("chunk_tokens") or ask.get("preempt_after") is not None):
+            self.roundalign_provocation = Provocation(ask.get("chunk_tokens"), ask.get("preempt_after"))
+            self._provoked_by = request.request_id
+        super().add_request(request)
+
+    def _connector_finished(self, request):
+        """A finished request that asked for its record (`RECORD_KEY` in its `kv_transfer_params`, which a completion
+        request carries) gets it back in its output's `kv_transfer_params`: the record travels with the completion,
+        request by request, from whichever process the engine core runs in (a server's). Other requests: unchanged."""
+        delay, params = super()._connector_finished(request)
+        asked = getattr(request, "kv_transfer_params", None)
+        if isinstance(asked, dict) and asked.get(RECORD_KEY):
+            record = self.roundalign_schedules.pop(request.request_id, None)
+            params = {**(params or {}), RECORD_KEY: None if record is None else record.as_json()}
+        if request.request_id == self._provoked_by:
+            self.roundalign_provocation, self._provoked_by = None, None
+        return delay, params
 
     def _preempt_request(self, request, *args, **kwargs) -> None:
         record = self.roundalign_schedules.get(request.request_id)

@@ -395,7 +395,7 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
     def _verify_colocated(self):
         args = self.args
         from ..scoring import vllm_prefill_logprobs
-        from .sampler_check import long_prompt_tokens, sequence_limit, verify_against_sampler
+        from .sampler_check import llm_sampler, long_prompt_tokens, sequence_limit, verify_against_sampler
         from .startup_check import verification_sequences, verify_profile
 
         llm = self.vllm_generation.llm
@@ -415,10 +415,9 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
             layout = self.roundalign_layout
             shared = long_prompt_tokens(self._engine_block_size(), getattr(layout, "max_num_batched_tokens", None),
                                         sequence_limit(self.model, getattr(layout, "max_model_len", None)))
-            verify_against_sampler(
-                self.model, llm, sequences, result, shared_tokens=shared,
-                chunks=bool(getattr(layout, "chunked_prefill", False)),
-                forms=None if capture is None else (lambda: list(zip(capture.generations[-1], capture.kinds[-1]))))
+            forms = None if capture is None else (lambda: list(zip(capture.generations[-1], capture.kinds[-1])))
+            verify_against_sampler(self.model, llm_sampler(llm, forms), sequences, result, shared_tokens=shared,
+                                   chunks=bool(getattr(layout, "chunked_prefill", False)))
             result.prompt_horizon = self._roundalign_horizon.tokens
         logger.info("profile %s verified in %.1f s (%d tokens; sampler: %d)", result.chosen, result.seconds, result.tokens,
                     result.sampler_tokens)

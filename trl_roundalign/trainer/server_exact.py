@@ -1,0 +1,93 @@
+"""Exact mode against a vLLM server (`trl-roundalign serve --exact`): each completion generated with its schedule record.
+
+In server mode the engine's scheduler runs in the server's engine-core process, where the trainer cannot read it. A
+server started with `--exact` runs the recording scheduler (`engine.schedule.RecordingScheduler`), which returns a
+request's record with its completion when the request asks for it (`RECORD_KEY` in the request's
+`kv_transfer_params`; vLLM hands a finished request's `kv_transfer_params` back in the completion response). vLLM's
+completion response carries the `kv_transfer_params` of its first sequence only, so each completion is its own
+request here (`n=1`, a prompt each), sent concurrently as TRL's client sends multimodal prompts: the records come back
+one per completion, in TRL's order (prompt-major), with the completion ids and the sampler's log-probs.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+__all__ = ["generate_with_schedules", "record_bytes", "server_sampler"]
+
+# Requests in flight at once (TRL's client sends its multimodal prompts 32 at a time).
+MAX_CONCURRENT = 64
+
+
+def generate_with_schedules(client, prompts: list[list[int]], *, n: int = 1, provoke: list[dict | None] | None = None,
+                            **sampling) -> tuple[dict, list]:
+    """`(TRL's generate answer, records)`: what `client.generate(prompts, n=n, **sampling)` answers (`prompt_ids`,
+    `completion_ids`, `logprobs`, `logprob_token_ids`), with one `engine.schedule.RequestSchedule` per completion
+    (None where the server returned none: its scheduler does not record). `provoke[i]`: what completion `i`'s request
+    asks the recording scheduler to provoke (`chunk_tokens`, `preempt_after`; the start-up check's)."""
+    from trl.generation.vllm_client import parse_logprobs
+
+    from ..engine.schedule import RECORD_KEY, RequestSchedule
+
+    extra = dict(sampling.pop("generation_kwargs", None) or {})
+    if sampling.pop("structured_outputs_regex", None) is not None:
+        raise ValueError("Exact mode in server mode: structured outputs (vllm_structured_outputs_regex) are not "
+                         "generated through the schedule-recording requests; drop the regex.")
+    jobs = [(p, k) for p in range(len(prompts)) for k in range(n)]
+
+    def send(j: int) -> dict:
+        p, _ = jobs[j]
+        ask = (provoke[j] if provoke is not None else None) or True
+        payload = {"model": client.model, "prompt": [list(prompts[p])], "n": 1, "return_token_ids": True,
+                   "return_tokens_as_token_ids": True, **sampling, **extra, "kv_transfer_params": {RECORD_KEY: ask}}
+        response = client.session.post(f"{client.base_url}/v1/completions", json=payload)
+        if response.status_code != 200:
+            raise RuntimeError(f"The vLLM server at {client.base_url} answered {response.status_code} to a completion "
+                               f"request: {response.text[:300]}")
+        return response.json()
+
+    with ThreadPoolExecutor(max_workers=max(1, min(MAX_CONCURRENT, len(jobs)))) as pool:
+        answers = list(pool.map(send, range(len(jobs))))
+    choices = [a["choices"][0] for a in answers]
+    logprobs, token_ids = parse_logprobs([c.get("logprobs") for c in choices])
+    records = []
+    for a in answers:
+        data = (a.get("kv_transfer_params") or {}).get(RECORD_KEY)
+        records.append(None if data is None else RequestSchedule.from_json(data))
+    out = {"prompt_ids": [list(prompts[p]) for p in range(len(prompts))],
+           "completion_ids": [c["token_ids"] for c in choices], "logprobs": logprobs, "logprob_token_ids": token_ids}
+    return out, records
+
+
+def record_bytes(records) -> int:
+    """The bytes the records add to the responses (their JSON, as the server sends them)."""
+    import json
+
+    return sum(len(json.dumps(r.as_json(), separators=(",", ":"))) for r in records if r is not None)
+
+
+def server_sampler(client):
+    """The sampler check's `sample` against a server (`sampler_check.verify_against_sampler`): each call's requests
+    generated together, seeded or provoked as asked, each with its record."""
+    import torch
+
+    def sample(prompts, lengths, seeds, provoke):
+        jobs = list(range(len(prompts)))
+
+        def one(i):
+            kwargs = {"max_tokens": lengths[i], "temperature": 1.0, "logprobs": 0, "ignore_eos": True}
+            if seeds[i] is not None:
+                kwargs["seed"] = seeds[i]
+            return generate_with_schedules(client, [prompts[i]], provoke=[provoke or None], **kwargs)
+
+        with ThreadPoolExecutor(max_workers=max(1, len(jobs))) as pool:
+            answers = list(pool.map(one, jobs))
+        result = []
+        for answer, records in answers:
+            ids = answer["completion_ids"][0]
+            logps = torch.tensor([row[0] for row in answer["logprobs"][0]], dtype=torch.float32)
+            record = records[0]
+            result.append((ids, logps, None if record is None else (record.form(), record.kinds())))
+        return result
+
+    return sample
