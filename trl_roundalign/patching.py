@@ -177,6 +177,7 @@ def apply_roundalign(
     positions_from_mask: bool | None = None,
     attention_block_size: int | None = None,
     engine_max_model_len: int | None = None,
+    attention_threads: int | None = None,
 ) -> PatchReport:
     """Install the aligned regions into `model` in place.
 
@@ -198,6 +199,9 @@ def apply_roundalign(
         attention_block_size: region `"attention"`: the engine's KV cache block size (it selects the
             kernel's ISA path); default vLLM-CPU's 128. Read it from the engine:
             `llm.llm_engine.vllm_config.cache_config.block_size`.
+        attention_threads: region `"attention"`: the OpenMP threads the engine's kernel shares a step's work among
+            (`EngineLayout.attention_threads`; the tiling of a long prefill depends on their number); default: this
+            process's count, which a colocated engine computes with. A server's workers run their own.
         engine_max_model_len: the engine's `max_model_len` (`engine.engine_info(llm).max_model_len`). Needed by
             LongRoPE models (Phi-3.5-mini, Phi-4-mini) with region `"rope"`: vLLM picks LongRoPE's long factors
             once per engine when it exceeds `original_max_position_embeddings`, transformers per forward from the
@@ -246,7 +250,7 @@ def apply_roundalign(
     # Read from the engine's code with the lanes (`engine.lanes.EngineLanes`), where the family's forward needs it.
     embedding_kernels = getattr(reduction_lanes, "embedding_kernels", None)
     lanes_tuple = tuple(reduction_lanes) if reduction_lanes is not None else None
-    key = (regions, prof.name, backend, lanes_tuple, positions_from_mask, attention_block_size,
+    key = (regions, prof.name, backend, lanes_tuple, positions_from_mask, attention_block_size, attention_threads,
            engine_max_model_len if engine_rope is not None else None, embedding_kernels)
     current = backbone.__dict__.get(_REPORT_ATTR)
     if current is not None:
@@ -285,7 +289,8 @@ def apply_roundalign(
     installed: list[torch.nn.Module] = []
 
     def state(lanes: dict | None = None) -> LayerState:
-        st = LayerState(regions, prof, backend, lanes or {}, attention_block_size=attention_block_size)
+        st = LayerState(regions, prof, backend, lanes or {}, attention_block_size=attention_block_size,
+                        attention_threads=attention_threads)
         if embedding_kernels is not None:
             st.originals["engine_embedding_kernels"] = embedding_kernels
         return st

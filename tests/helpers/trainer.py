@@ -38,3 +38,11 @@ def config_kwargs(tmp_path: Path, **overrides) -> dict:
 
 def make_config(tmp_path: Path, **overrides) -> RoundAlignGRPOConfig:
     return RoundAlignGRPOConfig(**config_kwargs(tmp_path, **overrides))
+
+
+def long_prompts(n: int):
+    from datasets import Dataset
+
+    # About 570 tokens each with this tokenizer: longer than the step budget below, so vLLM must chunk each prefill.
+    return Dataset.from_dict({"prompt": [
+        f"Sum these, case {i}: " + " ".join(str((7 * k + i) % 97) for k in range(300)) for i in range(n)]})

@@ -163,14 +163,16 @@ def test_server_mode_a_wrong_profile_stops_naming_the_better_one(server, tmp_pat
     assert f"The vLLM server at {server.url} runs cpu, compiled" in msg, msg
 
 
-def test_server_mode_refuses_exact_profiles(server, tmp_path):
-    """Exact mode needs the engine's reduction lanes, from its compile cache: not readable across processes."""
-    from trl_roundalign.trainer.startup_check import ProfileMismatch
-
-    with pytest.raises(
-        ProfileMismatch, match=r"'vllm-compiled-exact' is exact, .*cannot be read here.*'vllm-compiled'"
-    ):
-        server_trainer(server, tmp_path, "vllm-compiled-exact")
+def test_server_mode_refuses_exact_against_a_server_not_started_with_exact(server, tmp_path):
+    """A plain `trl-roundalign serve` prefills a step's prompts together and records no schedule: exact mode (an exact
+    profile, or 'auto' with the 'attention' region) stops at start-up in one line naming the first fact that differs
+    and the command that fixes it (`tests/trainer/test_server_exact.py` trains against an --exact server)."""
+    for profile, regions in [("vllm-compiled-exact", None), ("auto", ["rope", "swiglu", "rmsnorm", "attention"])]:
+        with pytest.raises(ValueError) as e:
+            server_trainer(server, tmp_path, profile, **({"roundalign_regions": regions} if regions else {}))
+        msg = str(e.value)
+        assert "\n" not in msg and "(attention_prefill_alone)" in msg, msg
+        assert msg.endswith("Start it with trl-roundalign serve --exact."), msg
 
 
 def test_the_server_listens_on_loopback_only_and_its_weight_endpoints_need_the_token(server, monkeypatch):

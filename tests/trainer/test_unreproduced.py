@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers.trainer import make_config, varied_reward
+from helpers.trainer import long_prompts, make_config, varied_reward
 
 from trl_roundalign import RoundAlignGRPOTrainer
 from trl_roundalign.data import arithmetic_dataset
@@ -41,14 +41,6 @@ def test_a_preempting_engine_is_reproduced_bit_for_bit(tmp_path, closing, correc
     assert 0 < row["mismatch/reprefilled_tokens"] < 4 * 1024  # the engine preempted: the case is exercised
     assert row["mismatch/unreproduced_tokens"] == 0
     assert row["mismatch/frac_bitwise_equal"] == 1.0 and row["mismatch/kl_k3"] == 0.0
-
-
-def long_prompts(n: int):
-    from datasets import Dataset
-
-    # About 570 tokens each with this tokenizer: longer than the step budget below, so vLLM must chunk each prefill.
-    return Dataset.from_dict({"prompt": [
-        f"Sum these, case {i}: " + " ".join(str((7 * k + i) % 97) for k in range(300)) for i in range(n)]})
 
 
 def test_vllms_chunked_prefill_is_reproduced_bit_for_bit(tmp_path, closing):

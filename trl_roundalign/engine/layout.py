@@ -380,8 +380,18 @@ def policy_facts(model) -> dict:
         # decode form with the keys on one thread, which reproduces a sampler that never splits them, and shares
         # its work among this process's threads as the engine's schedule does among its own.
         "attention_kv_split": False if _computes_engine_attention(model) else None,
-        "attention_threads": torch.get_num_threads() if _computes_engine_attention(model) else None,
+        "attention_threads": _attention_threads(model) if _computes_engine_attention(model) else None,
     }
+
+
+def _attention_threads(model) -> int:
+    """The threads the policy's engine attention computes with: those it was patched with (a server's count), else
+    this process's."""
+    import torch
+
+    given = {st.attention_threads for m in model.modules() if (st := m.__dict__.get("_roundalign")) is not None
+             and getattr(st, "attention_threads", None) is not None}
+    return given.pop() if len(given) == 1 else torch.get_num_threads()
 
 
 def _computes_engine_attention(model) -> bool:

@@ -12,7 +12,10 @@ engine's own account (read where the scheduler advances each request), never a g
 trainer takes it after each generation (`take_schedules`) and reads each request's form (`RequestSchedule.form`): the
 points where a preempted request was resumed by a whole re-prefill, which it reproduces per stretch, and the first
 completion token it does not reproduce and why, so a step's metrics say how many (`mismatch/unreproduced_tokens`). Exact mode's colocated vLLM-CPU engine runs it (`scheduler_cls`, set by the trainer's
-engine plan); the engine core runs in the trainer's process there (TRL's `external_launcher`).
+engine plan); the engine core runs in the trainer's process there (TRL's `external_launcher`). A server started with
+`trl-roundalign serve --exact` runs it in its engine-core process: a request that names `RECORD_KEY` in its
+`kv_transfer_params` gets its record back with its completion (vLLM returns a finished request's `kv_transfer_params` in
+the completion response), and may ask for a chunked prefill or a preemption to be provoked (the start-up check's).
 """
 
 from __future__ import annotations

@@ -45,6 +45,7 @@ class LayerState:
     lanes: dict[str, int | None] = field(default_factory=dict)
     originals: dict[str, object] = field(default_factory=dict)
     attention_block_size: int | None = None
+    attention_threads: int | None = None  # the engine's kernel threads, where not this process's (a server's)
 
 
 def _state(module) -> LayerState:
@@ -175,8 +176,10 @@ def attention_core(
         from ..ops.attention import hf_attention_interface
 
         attention_interface = hf_attention_interface
-        if st.attention_block_size is not None:
-            attention_interface = functools.partial(hf_attention_interface, block_size=st.attention_block_size)
+        bound = {k: v for k, v in (("block_size", st.attention_block_size), ("num_threads", st.attention_threads))
+                 if v is not None}
+        if bound:
+            attention_interface = functools.partial(hf_attention_interface, **bound)
     else:
         if "attention" in st.regions:
             _warn_cached_decoding(self.config._attn_implementation)

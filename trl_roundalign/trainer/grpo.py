@@ -187,12 +187,12 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
             self._check_layout(fields=("dtype",))  # what the policy was loaded in, before anything is patched
             self.roundalign_report = self._install_patches()
             self._check_layout()  # the whole layout, read back from the patched policy
-            if self.roundalign_engine is not None and is_exact(self.roundalign_profile):
-                # Exact mode's runtime prompt check, on every rank, whether or not the start-up check runs.
-                from .startup_check import PromptHorizon
+            if args.use_vllm and is_exact(self.roundalign_profile):
+                if self.roundalign_engine is not None:  # the runtime prompt check, every rank, checked or not
+                    from .startup_check import PromptHorizon
 
-                self._roundalign_horizon = PromptHorizon.for_engine(self.roundalign_layout, self.model,
-                                                                    self._engine_block_size())
+                    self._roundalign_horizon = PromptHorizon.for_engine(self.roundalign_layout, self.model,
+                                                                        self._engine_block_size())
                 self._roundalign_schedule = self._capture_schedules()
             if args.roundalign_verify_profile:
                 # Scoring the engine runs it and the policy: neither may move the random state the first generation
@@ -301,19 +301,14 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
         if args.roundalign_profile != "auto":
             if server and not args.roundalign_verify_profile:
                 self.roundalign_layout = self._server_check().unverified_layout()
+            if server and is_exact(args.roundalign_profile):
+                self._server_check().require_exact(args.roundalign_profile)
             return args.roundalign_profile
         if not args.use_vllm:
             return "none"  # no engine to align with (regions are refused without one): HF's own rounding
-        if server:  # what the server reports at /server_info
+        if server:  # what the server reports at /server_info (and /collective_rpc: its workers' facts)
             self.roundalign_layout = self._server_check().layout()[0]
-            profile = self._server_check().profile()
-            if wants_exact:
-                raise ValueError(
-                    f"Exact mode (region 'attention') needs the engine's reduction lanes, read from its compiled code, "
-                    f"which a vLLM server compiles in its own process. Use colocate mode, or drop 'attention' "
-                    f"(the server's profile is {profile!r})."
-                )
-            return profile
+            return self._server_check().profile(exact=wants_exact)
         # A TP > 1 engine passes where its layout is measured; the trainer then computes the TP form (_install_patches).
         profile = profile_for_engine(self.roundalign_engine, tensor_parallel=self._tp > 1)
         if wants_exact:
@@ -345,15 +340,17 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
         info = self.roundalign_engine
         if self._roundalign_lanes is None and info is not None and info.compiled and info.platform == "cpu":
             self._roundalign_lanes = inductor_reduction_lanes(self.vllm_generation.llm)
+        elif self._roundalign_lanes is None and info is None and self.roundalign_layout is not None:
+            self._roundalign_lanes = self._server_check().lanes()  # as the server's workers read them
         return self._roundalign_lanes
 
     def _engine_block_size(self) -> int | None:
-        """The colocated engine's KV cache block size (selects vLLM-CPU's attention kernel path), from its layout."""
-        return None if self.roundalign_engine is None else self.roundalign_engine.kv_block_size
+        """The engine's KV cache block size (selects vLLM-CPU's attention kernel path), from its layout."""
+        return None if self.roundalign_layout is None else self.roundalign_layout.kv_block_size
 
     def _install_patches(self):
         args, lanes, source = self.args, None, None
-        if self.roundalign_engine is not None and takes_engine_lanes(self.model, self.roundalign_profile):
+        if self.roundalign_layout is not None and takes_engine_lanes(self.model, self.roundalign_profile):
             lanes, source = self._engine_lanes(), "engine"  # Gemma 4 reads its layer-0 form with them (any profile)
         targets = [self.model] + ([self.ref_model] if getattr(self, "ref_model", None) is not None else [])
         report = None
@@ -369,7 +366,10 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
                 lanes_source=source,
                 positions_from_mask=args.roundalign_positions_from_mask,
                 attention_block_size=self._engine_block_size() if "attention" in args.roundalign_regions else None,
-                engine_max_model_len=self.roundalign_engine.max_model_len if self.roundalign_engine is not None else None,
+                engine_max_model_len=self.roundalign_layout.max_model_len if self.roundalign_layout is not None else None,
+                # A server's kernel threads are its own (a colocated engine computes with this process's).
+                attention_threads=None if self._roundalign_colocated else getattr(self.roundalign_layout,
+                                                                                  "attention_threads", None),
             )
             report = report or report_t
             apply_to_policy(target, self.roundalign_layout, tensor_parallel=self._tp)
@@ -435,10 +435,13 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
         self.roundalign_report = self._install_patches()  # the server's row blocks and TP sums on the policy
         tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
         try:
-            return check.verify(self.model, tokenizer, profile=self.roundalign_profile, regions=args.roundalign_regions,
-                                backend=args.roundalign_backend)
+            result = check.verify(self.model, tokenizer, profile=self.roundalign_profile, regions=args.roundalign_regions,
+                                  backend=args.roundalign_backend)
         finally:
             self.roundalign_report = self._install_patches()
+        if is_exact(self.roundalign_profile):
+            check.verify_sampler(self.model, tokenizer, result)
+        return result
 
     def roundalign_run_info(self) -> dict:
         """Versions, engine mode, profile and regions: the first line of the mismatch JSONL."""
@@ -573,6 +576,8 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
 
     def _generate(self, prompts):
         out = super()._generate(prompts)
+        if (share := getattr(self._roundalign_schedule, "share", None)) is not None:
+            share()  # a server's records, from the main process's client to every process
         if self._roundalign_schedule is not None and reuses_sampler_logps(
                 self.args, exact=is_exact(self.roundalign_profile), recorded=True):
             self._roundalign_stand_in = out[4]  # the sampler's log-probs, for TRL's old log-probs (`old_logps`)
@@ -608,7 +613,7 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
         with contextlib.ExitStack() as scope:
             if getattr(self, "_roundalign_sampler_logprobs", False):
                 scope.enter_context(sampler_logprobs(self._gemm_schedule))
-            if "attention" in self.args.roundalign_regions and self.roundalign_engine is not None:
+            if "attention" in self.args.roundalign_regions and self.roundalign_layout is not None:
                 # The completions (the last `logits_to_keep` columns) were sampled one decode step per token.
                 column = input_ids.shape[1] - int(logits_to_keep)
                 scope.enter_context(sampled_from(column, None if cuts is None or not any(cuts) else cuts))
@@ -629,13 +634,10 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
         return reprefill, cuts if cuts is not None and cuts.shape[0] == rows else None
 
     def _capture_schedules(self):
-        """Exact mode's colocated engine records each request's schedule; capture it with every generation."""
-        from .unreproduced import ScheduleCapture
+        """Exact mode's engine records each request's schedule; capture it with every generation."""
+        from .server_exact import capture_schedules
 
-        gen = self.vllm_generation
-        tp = int(getattr(gen, "tensor_parallel_size", 1) or 1)
-        rank = torch.distributed.get_rank(group=gen.tp_group) if tp > 1 else 0
-        return ScheduleCapture(gen.llm, tp_size=tp, tp_rank=rank, stop=self.args.roundalign_stop_on_unreproduced)
+        return capture_schedules(self.vllm_generation, self.accelerator, stop=self.args.roundalign_stop_on_unreproduced)
 
     def _generate_and_score_completions(self, inputs):
         """TRL's generation step; in exact mode the batch also carries, per completion token, whether the engine

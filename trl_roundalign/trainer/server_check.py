@@ -111,13 +111,14 @@ class ServerCheck:
             )
         return layout
 
-    def profile(self) -> str:
-        """`roundalign_profile='auto'` in server mode: the profile the server's reported layout implies.
+    def profile(self, exact: bool = False) -> str:
+        """`roundalign_profile='auto'` in server mode: the profile the server's reported layout implies; with `exact`
+        (the 'attention' region), its exact refinement, where the server is reproduced bit for bit (`require_exact`).
 
         A server that does not say on which platform it runs, or one whose configuration nobody measured, stops the
         run with one line; nothing is assumed.
         """
-        from ..engine import profile_for_engine
+        from ..engine import exact_profile_for, profile_for_engine
 
         layout, about = self.layout()
         if layout is None or (layout.compile_mode == "None" and not layout.enforce_eager):
@@ -128,23 +129,69 @@ class ServerCheck:
                 "settings."
             )
         profile = profile_for_engine(layout, tensor_parallel=True)  # the trainer computes the TP form
+        if exact:
+            self.require_exact(profile)
+            profile = exact_profile_for(profile)
         logger.info("roundalign_profile='auto': %s, from the vLLM server at %s (%s)", profile, self.url, about)
         return profile
+
+    def require_exact(self, profile: str) -> None:
+        """Stop the run in one line where exact mode cannot reproduce the server (`server_exact.exact_server_refusal`)."""
+        from .server_exact import exact_server_refusal
+
+        why = exact_server_refusal(self.layout()[0], self.url)
+        if why is not None:
+            raise ValueError(f"Exact mode (region 'attention', profile {profile!r}): {why}.")
+
+    def lanes(self):
+        """The server's reduction lanes as its workers read them (`EngineLayout.reduction_lanes`), or None."""
+        from ..engine.inductor_code import EngineLanes
+
+        layout = self.layout()[0]
+        if layout is None or not layout.reduction_lanes:
+            return None
+        return EngineLanes(layout.reduction_lanes, embedding_kernels=layout.embedding_kernels)
+
+    def verify_sampler(self, model, tokenizer, result) -> None:
+        """Exact mode's check against the server's sampler (`sampler_check.verify_against_sampler`): the main process's
+        client samples (each request with its schedule record, the chunked and preempted ones provoked through the
+        server's recording scheduler), every process recomputes on `model` (patched, exact) and stops alike."""
+        from .sampler_check import long_prompt_tokens, sequence_limit, verify_against_sampler
+        from .server_exact import server_sampler
+        from .startup_check import broadcast_from_main, verification_sequences
+
+        layout = self.layout()[0]
+        inner = server_sampler(self.client) if self.client is not None else None
+
+        def sample(*call):
+            payload, failure = [None], None
+            if inner is not None:
+                try:
+                    payload = [inner(*call)]
+                except Exception as e:  # noqa: BLE001 - broadcast, so that no process waits for a payload that never comes
+                    failure = RuntimeError(f"Exact mode's sampler check could not sample from the vLLM server at "
+                                           f"{self.url}: " + " ".join(f"{type(e).__name__}: {e}".split()))
+            return broadcast_from_main(payload, failure)
+
+        shared = long_prompt_tokens(layout.kv_block_size, layout.max_num_batched_tokens,
+                                    sequence_limit(model, layout.max_model_len))
+        verify_against_sampler(model, sample, verification_sequences(tokenizer), result, shared_tokens=shared,
+                               chunks=bool(layout.chunked_prefill))
+        logger.info("exact mode: %d sampled tokens of the vLLM server at %s recomputed bit for bit (forms: %s)",
+                    result.sampler_tokens, self.url, result.sampler_forms)
 
     def verify(self, model, tokenizer, *, profile: str, regions, backend: str):
         """Score the server's prompt log-probs against `profile` and its alternatives on `model`, which already
         computes with the server's layout; the caller pushes the policy's weights first and re-installs its patches
         after (the scoring re-patches the regions). Returns the `Verification`.
 
-        The server's reduction lanes (its compile cache, in another process) are not known, so exact profiles are
-        refused here rather than checked against lanes guessed on this side.
+        An exact profile is scored with the server's reduction lanes (read by its workers from its compile cache) under
+        colocate mode's rule, on a server that `require_exact` accepts; `verify_sampler` then checks its sampler.
         """
-        from ..engine import EXACT_REFINEMENTS
         from .startup_check import (
             ALL_BASE_CANDIDATES,
             CLEARLY_BETTER,
             STRICTLY_BETTER,
-            ProfileMismatch,
             broadcast_from_main,
             engine_self_k3,
             server_prompt_logprobs,
@@ -152,14 +199,9 @@ class ServerCheck:
             verify_profile,
         )
 
-        if is_exact(profile):
-            raise ProfileMismatch(
-                f"roundalign_profile={profile!r} is exact, which needs the engine's reduction lanes, read from its "
-                f"Inductor code; the vLLM server at {self.url} compiles in its own process and cache, so they cannot be "
-                "read here. Use colocate mode for exact profiles, or "
-                f"roundalign_profile='{EXACT_REFINEMENTS.get(profile, 'vllm-compiled')}' without the 'attention' region "
-                "in server mode."
-            )
+        exact = is_exact(profile)
+        if exact:
+            self.require_exact(profile)
         layout, about = self.layout()
         sequences = verification_sequences(tokenizer)
         payload, failure, interrupted = [None], None, None
@@ -191,10 +233,14 @@ class ServerCheck:
         # Where colocate mode decides by the exact refinements (vLLM-CPU) no exact check is possible here: any
         # strictly better candidate refutes the profile. Elsewhere (a GPU server) the evidence is colocate mode's.
         ratio = CLEARLY_BETTER if layout is not None and layout.platform != "cpu" else STRICTLY_BETTER
-        result = verify_profile(
-            model, engine_logps, sequences, chosen=profile, regions=regions, info=layout, backend=backend, lanes=None,
-            candidates=candidates, note=note, better_ratio=ratio, auto_ok=False, engine_noise_k3=noise,
-        )
+        if exact:  # the exact refinements decide, with the server's lanes, as for a colocated engine
+            result = verify_profile(model, engine_logps, sequences, chosen=profile, regions=regions, info=layout,
+                                    backend=backend, lanes=self.lanes(), attention_block_size=layout.kv_block_size)
+        else:
+            result = verify_profile(
+                model, engine_logps, sequences, chosen=profile, regions=regions, info=layout, backend=backend,
+                lanes=None, candidates=candidates, note=note, better_ratio=ratio, auto_ok=False, engine_noise_k3=noise,
+            )
         result.engine = layout.as_dict() if layout is not None else None
         scored = ", ".join(f"{c.profile} {c.kl_k3:.2e}" for c in result.candidates)
         logger.info(

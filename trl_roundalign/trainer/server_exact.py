@@ -11,9 +11,12 @@ one per completion, in TRL's order (prompt-major), with the completion ids and t
 
 from __future__ import annotations
 
+import functools
 from concurrent.futures import ThreadPoolExecutor
 
-__all__ = ["generate_with_schedules", "record_bytes", "server_sampler"]
+from .unreproduced import ScheduleCapture
+
+__all__ = ["ServerScheduleCapture", "capture_schedules", "exact_server_refusal", "generate_with_schedules", "record_bytes", "server_sampler"]
 
 # Requests in flight at once (TRL's client sends its multimodal prompts 32 at a time).
 MAX_CONCURRENT = 64
@@ -57,6 +60,74 @@ def generate_with_schedules(client, prompts: list[list[int]], *, n: int = 1, pro
     out = {"prompt_ids": [list(prompts[p]) for p in range(len(prompts))],
            "completion_ids": [c["token_ids"] for c in choices], "logprobs": logprobs, "logprob_token_ids": token_ids}
     return out, records
+
+
+def exact_server_refusal(layout, url: str) -> str | None:
+    """Why exact mode cannot reproduce the server at `url` (its `EngineLayout`), in one line naming what differs, or
+    None: it must run vLLM-CPU's compiled engine, report its reduction lanes (its workers read them from its compile
+    cache), prefill each prompt in kernel calls of its own with its scheduler recording each request's schedule, and
+    keep each decoding sequence's keys on one thread: what `trl-roundalign serve --exact` starts."""
+    if layout is None:
+        return f"the vLLM server at {url} does not report its layout"
+    if layout.platform != "cpu" or not layout.compiled:
+        return f"the vLLM server at {url} runs {layout.platform}/{layout.compile_mode}, not vLLM-CPU's compiled engine"
+    facts = [("reduction_lanes", bool(layout.reduction_lanes), f"its reduction lanes were not read ({layout.lanes_unread})"),
+             ("attention_prefill_alone", layout.attention_prefill_alone is True, "it prefills a step's prompts together"),
+             ("schedule_recorded", layout.schedule_recorded is True, "its scheduler does not record each request's schedule"),
+             ("attention_kv_split", layout.attention_kv_split is False, "it splits a decoding sequence's keys over threads")]
+    for name, ok, what in facts:
+        if not ok:
+            return (f"the vLLM server at {url} cannot be reproduced bit for bit: {what} ({name}). Start it with "
+                    "trl-roundalign serve --exact")
+    return None
+
+
+class ServerScheduleCapture(ScheduleCapture):
+    """`unreproduced.ScheduleCapture` for a server: the main process's client generates each completion with its
+    record (`generate_with_schedules`, TRL's `vllm_client.generate` wrapped); `share()`, called by every process after
+    each generation, hands the records to every process, each of which reads its slice of TRL's completions."""
+
+    def __init__(self, vllm_generation, *, num_processes: int = 1, process_index: int = 0, stop: bool = False):
+        super().__init__(None, tp_size=num_processes, tp_rank=process_index, stop=stop)
+        self.record_bytes = self.completion_tokens = 0  # what the records cost on the wire, and for how many tokens
+        self._pending: list = []
+        client = getattr(vllm_generation, "vllm_client", None)
+        if client is not None:  # the main process's
+            client.generate = functools.partial(self._generate, client)
+
+    def _generate(self, client, prompts, features=None, n=1, **sampling):
+        if features is not None:
+            raise ValueError("Exact mode in server mode: multimodal prompts are not generated with their schedule "
+                             "records; use colocate mode for them.")
+        out, records = generate_with_schedules(client, prompts, n=n, **sampling)
+        self._pending = records
+        self.record_bytes += record_bytes(records)
+        self.completion_tokens += sum(len(c) for c in out["completion_ids"])
+        return out
+
+    def share(self) -> None:
+        """Every process: the last generation's records, from the main process (where the client generated)."""
+        payload = [self._pending]
+        if self.tp_size > 1:
+            from accelerate.utils import broadcast_object_list
+
+            broadcast_object_list(payload, from_process=0)
+        self.add(payload[0])
+        self._pending = []
+
+
+def capture_schedules(vllm_generation, accelerator, *, stop: bool = False) -> ScheduleCapture:
+    """Exact mode's capture of the engine's schedule records with every generation: a colocated engine's
+    (`unreproduced.ScheduleCapture`, each TP rank reading its slice), or a server's (`ServerScheduleCapture`)."""
+    import torch
+
+    llm = getattr(vllm_generation, "llm", None)
+    if llm is None:
+        return ServerScheduleCapture(vllm_generation, num_processes=accelerator.num_processes,
+                                     process_index=accelerator.process_index, stop=stop)
+    tp = int(getattr(vllm_generation, "tensor_parallel_size", 1) or 1)
+    rank = torch.distributed.get_rank(group=vllm_generation.tp_group) if tp > 1 else 0
+    return ScheduleCapture(llm, tp_size=tp, tp_rank=rank, stop=stop)
 
 
 def record_bytes(records) -> int:

@@ -66,9 +66,10 @@ class UnreproducedStep(RuntimeError):
 
 
 class ScheduleCapture:
-    """The schedule records of the colocated engine's generations (`llm.generate` wrapped), for the current batch."""
+    """The schedule records of the engine's generations for the current batch: a colocated engine's (`llm.generate`
+    wrapped; `llm` None: the caller adds them, `add`, as a server's client does, `server_exact`)."""
 
-    def __init__(self, llm, *, tp_size: int = 1, tp_rank: int = 0, stop: bool = False):
+    def __init__(self, llm=None, *, tp_size: int = 1, tp_rank: int = 0, stop: bool = False):
         self.tp_size, self.tp_rank, self.stop = int(tp_size), int(tp_rank), bool(stop)
         # Per generation, per request: `RequestSchedule.form()`, `(stretches, first unreproduced or None)`.
         self.generations: list[list[tuple[tuple[tuple[int, tuple[int, ...]], ...], tuple[int, str] | None]]] = []
@@ -76,20 +77,25 @@ class ScheduleCapture:
         self._warned: set[str] = set()
         # Per generation: prompt positions the engine prefilled and took from its prefix cache, and its preemptions.
         self.prefills: list[tuple[int, int, int]] = []
+        if llm is None:
+            return
         from ..engine.schedule import take_schedules  # imports vLLM's scheduler
 
         original = llm.generate
 
         def generate(*args, **kwargs):
             outputs = original(*args, **kwargs)
-            records = take_schedules(llm, [o.request_id for o in outputs])
-            self.generations.append([((), (0, UNRECORDED)) if r is None else r.form() for r in records])
-            self.kinds.append([frozenset() if r is None else r.kinds() for r in records])
-            counts = [(*r.prefill_tokens(), len(r.preemptions)) for r in records if r is not None]
-            self.prefills.append(tuple(sum(c[k] for c in counts) for k in range(3)))
+            self.add(take_schedules(llm, [o.request_id for o in outputs]))
             return outputs
 
         llm.generate = generate
+
+    def add(self, records) -> None:
+        """One generation's records (`engine.schedule.RequestSchedule`, None where the engine kept none), per request."""
+        self.generations.append([((), (0, UNRECORDED)) if r is None else r.form() for r in records])
+        self.kinds.append([frozenset() if r is None else r.kinds() for r in records])
+        counts = [(*r.prefill_tokens(), len(r.preemptions)) for r in records if r is not None]
+        self.prefills.append(tuple(sum(c[k] for c in counts) for k in range(3)))
 
     def reset(self) -> None:
         """Forget earlier generations (the start-up check's, the previous batch's)."""

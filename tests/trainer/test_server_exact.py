@@ -1,0 +1,131 @@
+"""Exact mode against a vLLM server (`trl-roundalign serve --exact`), the way TRL scales: each completion generated
+with its schedule record (`engine.schedule.RECORD_KEY`: the server's recording scheduler returns it with the
+completion), the start-up check run against the server's sampler (a prefix hit, a chunked prefill and a preemption
+provoked through the server's own scheduler), and GRPO steps under KV pressure in which every completion token is the
+sampler's, bit for bit. A server started without `--exact` is refused in one line naming what differs."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from helpers.server import (
+    STARTUP_TIMEOUT_S,
+    TOKEN,
+    Server,
+    free_port,
+    token,  # noqa: F401  (autouse: the servers' token in the environment)
+)
+from helpers.trainer import long_prompts, make_config, varied_reward
+
+from trl_roundalign.local_models import tiny_model
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+# The tiny Qwen3 at head dim 128, where the attention kernel's forms differ in their bits (the sampler check's and
+# the schedule tests' model); its server's KV cache holds 24 blocks (3,072 tokens): a GRPO group of four 1,024-token
+# completions after a 570-token prompt does not fit, and vLLM preempts.
+EXACT_MODEL = dict(num_hidden_layers=2, head_dim=128, max_position_embeddings=8192)
+KV_BLOCKS = 24
+
+
+@pytest.fixture(scope="module")
+def exact_server(tmp_path_factory):
+    log = tmp_path_factory.mktemp("vllm-exact-server") / "server.log"
+    srv = Server(tiny_model("qwen3", **EXACT_MODEL), log, max_model_len=2048,
+                 extra=["--exact", "--num-gpu-blocks-override", str(KV_BLOCKS)])
+    try:
+        srv.wait_ready(STARTUP_TIMEOUT_S)
+        yield srv
+    finally:
+        srv.stop()
+
+
+def client_of(server):
+    """A client with what the package's server calls use: the session (the server token), base URL, model name."""
+    from types import SimpleNamespace
+
+    import requests
+
+    from trl_roundalign.weight_transfer.auth import TOKEN_HEADER
+
+    session = requests.Session()
+    session.headers[TOKEN_HEADER] = TOKEN
+    model = session.get(f"{server.url}/v1/models").json()["data"][0]["id"]
+    return SimpleNamespace(session=session, base_url=server.url, model=model)
+
+
+def test_each_completion_comes_back_with_its_schedule_record(exact_server):
+    """The record travels with its completion: one per completion, in TRL's order, each the engine's account of that
+    request (its prompt, one prefill, a decode step per later token); a request that does not ask gets none."""
+    from trl_roundalign.trainer.server_exact import generate_with_schedules, record_bytes
+
+    with exact_server.log_on_failure():
+        client = client_of(exact_server)
+        prompts = [[1, 2, 3, 4, 5] * 6, [7, 8, 9] * 50]
+        out, records = generate_with_schedules(client, prompts, n=2, max_tokens=40, temperature=1.0, logprobs=0,
+                                               generation_kwargs={"ignore_eos": True})
+        assert len(out["completion_ids"]) == len(records) == 4 and out["prompt_ids"] == prompts
+        for k, record in enumerate(records):
+            assert record is not None and record.prompt_tokens == len(prompts[k // 2])
+            assert len(out["completion_ids"][k]) == len(out["logprobs"][k]) == 40
+            assert record.first_unreproduced() is None  # every token in a form the trainer reproduces
+            decode = [s for s in record.steps if s[1] == 1 and s[0] == record.prompt_tokens + s[2] - 1]
+            assert len(decode) == 39 and record.steps[0][2] == 0
+        # A few bytes per request (decode runs travel as two numbers), not per token.
+        assert record_bytes(records) < 4 * 200, record_bytes(records)
+        import requests
+
+        plain = requests.post(f"{exact_server.url}/v1/completions", json={
+            "model": client.model, "prompt": [prompts[0]], "max_tokens": 4, "return_token_ids": True}).json()
+        assert plain.get("kv_transfer_params") is None
+
+
+def test_exact_grpo_against_a_server_is_bit_identical_to_its_sampler(exact_server, tmp_path):
+    """Two exact GRPO steps against the server, under vLLM's default scheduling and KV pressure: the start-up check
+    samples from the server (a prefix hit, a chunked prefill and a re-prefill provoked through its scheduler) and
+    recomputes every token bit for bit; each step's completions (4 x 1,024 tokens after a 570-token prompt, their
+    group's copies hitting the prefix cache, some preempted and re-prefilled) are the sampler's, bit for bit, the
+    second after the weights of the first step's update were sent; the records' bytes are counted."""
+    import torch
+
+    from trl_roundalign import RoundAlignGRPOTrainer
+    from trl_roundalign.engine.layout import policy_facts
+
+    with exact_server.log_on_failure():
+        args = make_config(
+            tmp_path, max_steps=2, max_completion_length=1024, vllm_mode="server", vllm_server_base_url=exact_server.url,
+            vllm_server_timeout=60, vllm_group_port=free_port(), roundalign_profile="auto",
+            roundalign_regions=["rope", "swiglu", "rmsnorm", "attention"], generation_kwargs={"ignore_eos": True},
+            roundalign_stop_on_unreproduced=True, learning_rate=1e-3,
+        )
+        trainer = RoundAlignGRPOTrainer(model=str(tiny_model("qwen3", **EXACT_MODEL)), reward_funcs=varied_reward,
+                                        args=args, train_dataset=long_prompts(2))
+        try:
+            assert trainer.roundalign_profile == "vllm-compiled-exact"
+            layout = trainer.roundalign_layout
+            assert layout.prompts_alone and layout.schedule_recorded and layout.reduction_lanes
+            # The policy's attention computes with the server's kernel threads, whatever this process's count.
+            print(f"server attention threads {layout.attention_threads}, trainer process {torch.get_num_threads()}")
+            assert policy_facts(trainer.model)["attention_threads"] == layout.attention_threads
+            ver = trainer.roundalign_verification
+            assert ver.verdict == "ok" and ver.sampler_bitwise == 1.0 and ver.sampler_tokens > 0, ver
+            assert ver.sampler_forms == {"prefix hit": 2, "chunked": 1, "re-prefilled": 1}, ver.sampler_forms
+            trainer.train()
+            capture = trainer._roundalign_schedule
+            per_1000 = 1000 * capture.record_bytes / capture.completion_tokens
+            print(f"schedule records: {capture.record_bytes} bytes for {capture.completion_tokens} completion tokens "
+                  f"({per_1000:.1f} per 1,000)")
+        finally:
+            trainer.close()
+        rows = [json.loads(x) for x in (tmp_path / "mismatch.jsonl").read_text().splitlines()[1:]]
+        assert [r["step"] for r in rows] == [1, 2]
+        for row in rows:
+            print({k: v for k, v in row.items() if k.startswith(("mismatch/", "schedule/"))})
+            assert row["mismatch/tokens"] == 4 * 1024 and row["mismatch/unreproduced_tokens"] == 0, row
+            assert row["mismatch/frac_bitwise_equal"] == 1.0 and row["mismatch/kl_k3"] == 0.0, row
+        assert any(r["mismatch/reprefilled_tokens"] > 0 for r in rows)  # vLLM preempted: the case is exercised
+        steps = [h for h in trainer.state.log_history if "loss" in h]
+        assert steps and all(math.isfinite(h["loss"]) for h in steps)
+        assert per_1000 < 1000  # under a byte per completion token (its id and log-prob take about 30 in the response)
