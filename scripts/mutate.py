@@ -63,6 +63,7 @@ WINDOWS = "tests/test_metrics_windows.py"
 TIE = "tests/trainer/test_verify_tie.py"
 SCHEDULE = "tests/trainer/test_unreproduced.py"
 SERVER = "tests/trainer/test_server_mode.py"
+SERVER_EXACT = "tests/trainer/test_server_exact.py"
 ALONE = "tests/engine/test_prefill_alone.py"
 
 MUTATIONS: tuple[Mutation, ...] = (
@@ -254,6 +255,25 @@ MUTATIONS: tuple[Mutation, ...] = (
         (f"{ALONE}::test_the_trainer_computes_each_prompt_as_its_lone_prefill",),
     ),
     # ---- the engine's schedule, reproduced from its record ------------------------------------------------------
+    Mutation(
+        "server-decode-form-colocated-only", "trl_roundalign/trainer/grpo.py",
+        'if "attention" in self.args.roundalign_regions and self.roundalign_layout is not None:',
+        'if "attention" in self.args.roundalign_regions and self.roundalign_engine is not None:',
+        "exact mode's completions recomputed in decode form only for a colocated engine, not against a server",
+        (f"{SERVER_EXACT}::test_exact_grpo_against_a_server_is_bit_identical_to_its_sampler",),
+    ),
+    Mutation(
+        "server-weight-digest-differences-ignored", "trl_roundalign/weight_transfer/digest.py",
+        "            elif mine != digest:\n", "            elif False:\n",
+        "a server tensor whose digest differs from the trainer's counted as compared",
+        (f"{SERVER_EXACT}::test_exact_grpo_against_a_server_is_bit_identical_to_its_sampler",),
+    ),
+    Mutation(
+        "server-restart-unnoticed", "trl_roundalign/trainer/server_exact.py",
+        "    if started is None or now is None or now == started:\n", "    if True:\n",
+        "a completion from another engine than the start-up check's (a restarted server) trained on",
+        (f"{SERVER_EXACT}::test_each_completion_comes_back_with_its_schedule_record",),
+    ),
     Mutation(
         "trainer-reprefills-ignored", "trl_roundalign/trainer/grpo.py",
         "        if reprefill is not None and bool((reprefill > 0).any()):\n",

@@ -59,7 +59,8 @@ def client_of(server):
 def test_each_completion_comes_back_with_its_schedule_record(exact_server):
     """The record travels with its completion: one per completion, in TRL's order, each the engine's account of that
     request (its prompt, one prefill, a decode step per later token); a request that does not ask gets none."""
-    from trl_roundalign.trainer.server_exact import generate_with_schedules, record_bytes
+    from trl_roundalign.engine.schedule import ENGINE_KEY
+    from trl_roundalign.trainer.server_exact import generate_with_schedules, record_bytes, restart_refusal
 
     with exact_server.log_on_failure():
         client = client_of(exact_server)
@@ -80,6 +81,13 @@ def test_each_completion_comes_back_with_its_schedule_record(exact_server):
         plain = requests.post(f"{exact_server.url}/v1/completions", json={
             "model": client.model, "prompt": [prompts[0]], "max_tokens": 4, "return_token_ids": True}).json()
         assert plain.get("kv_transfer_params") is None
+        # Every completion names the engine that scheduled it: the same one while the server runs; another (a
+        # restarted server's) stops the run in one line.
+        again, _ = generate_with_schedules(client, prompts[:1], max_tokens=2, logprobs=0)
+        engine = out[ENGINE_KEY]
+        assert isinstance(engine, str) and len(engine) == 32 and again[ENGINE_KEY] == engine
+        assert restart_refusal(exact_server.url, engine, engine) is None
+        assert "restarted during the run" in restart_refusal(exact_server.url, engine, "0" * 32)
 
 
 def test_exact_grpo_against_a_server_is_bit_identical_to_its_sampler(exact_server, tmp_path):
@@ -117,6 +125,21 @@ def test_exact_grpo_against_a_server_is_bit_identical_to_its_sampler(exact_serve
             per_1000 = 1000 * capture.record_bytes / capture.completion_tokens
             print(f"schedule records: {capture.record_bytes} bytes for {capture.completion_tokens} completion tokens "
                   f"({per_1000:.1f} per 1,000)")
+            assert capture.engine is not None and capture.engine == trainer._server_check().engine
+            # The last step's update has not been sent (TRL sends before each generation): the check names the
+            # difference. Sent, the server holds the trainer's weights, tensor for tensor; one bit flipped in the
+            # trainer's copy is named.
+            with pytest.raises(RuntimeError, match="does not hold the trainer's weights"):
+                trainer.roundalign_verify_server_weights()
+            trainer.vllm_generation.sync_weights()
+            weights = trainer.roundalign_verify_server_weights()
+            assert weights.equal and weights.compared == len(list(trainer.model.parameters())), weights.summary()
+            print("weights:", weights.summary())
+            name, param = next((n, p) for n, p in trainer.model.named_parameters() if n.endswith("k_proj.weight"))
+            with torch.no_grad():
+                param.view(torch.int16)[0, 0] ^= 1
+            with pytest.raises(RuntimeError, match=f"does not hold the trainer's weights.*1 differ: {name}"):
+                trainer.roundalign_verify_server_weights()
         finally:
             trainer.close()
         rows = [json.loads(x) for x in (tmp_path / "mismatch.jsonl").read_text().splitlines()[1:]]

@@ -141,6 +141,11 @@ def test_server_mode_trains_against_a_tp2_server_with_the_tp_form(tp2_server, tm
 
             ids = tokenizer(TEXT)["input_ids"]
             train_and_check_the_server_follows(trainer, client, ids)
+            # Each rank's shards, located in the trainer's tensors (o_proj and down_proj by columns, the rest by rows,
+            # q/k/v and gate/up split out of their fused shards): all bit-identical to the trainer's after the syncs.
+            weights = trainer.roundalign_verify_server_weights()
+            print("weights against the TP=2 server:", weights.summary())
+            assert weights.equal and weights.compared > len(list(trainer.model.parameters())), weights.summary()
             # Weights went over at start-up, before step 2's generation, and in the sync above: every one answered 200
             # once both TP workers had received them.
             updates = server.log.read_text(errors="replace").count('"POST /update_weights HTTP/1.1" 200')

@@ -132,11 +132,18 @@ WORKER_FACTS_METHOD = "roundalign_worker_facts"
 
 
 class WorkerFacts:
-    """A vLLM worker extension (`--worker-extension-cls`): the worker answers `worker_facts` about itself through the
-    engine's collective RPC, which a server exposes as /collective_rpc (dev mode, token-guarded)."""
+    """A vLLM worker extension (`--worker-extension-cls`): the worker answers `worker_facts` about itself, and the
+    digests of its weights, through the engine's collective RPC, which a server exposes as /collective_rpc (dev mode,
+    token-guarded)."""
 
     def roundalign_worker_facts(self) -> dict:
         return worker_facts(self)
+
+    def roundalign_weight_digests(self) -> dict:
+        """A digest of each weight the worker computes with, in the trainer's names (`weight_transfer.digest`)."""
+        from ..weight_transfer.digest import worker_digests
+
+        return worker_digests(self)
 
 
 def with_worker_facts(server_info: dict, facts: dict | None) -> dict:

@@ -28,7 +28,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from ..metrics import UNREPRODUCED_CAUSES
 
 __all__ = [
-    "CAUSES", "FORM_KINDS", "Provocation", "RECORDING_SCHEDULER", "RECORD_KEY", "RecordingScheduler", "RequestSchedule",
+    "CAUSES", "ENGINE_KEY", "FORM_KINDS", "Provocation", "RECORDING_SCHEDULER", "RECORD_KEY", "RecordingScheduler", "RequestSchedule",
     "UNRECORDED", "provoked", "take_schedules",
 ]
 
@@ -42,6 +42,9 @@ FORM_KINDS = ("prefix hit", "chunked", "re-prefilled")
 # The key a request's `kv_transfer_params` names to have its record returned with its output (server mode: vLLM hands a
 # finished request's `kv_transfer_params` back in its completion response), and under which the record comes back.
 RECORD_KEY = "roundalign_schedule"
+# Beside each returned record: which engine scheduled it, drawn once per scheduler (a restarted server draws anew, so a
+# trainer that sees it change knows the engine it started against is gone: its weights and its layout with it).
+ENGINE_KEY = "roundalign_engine"
 
 
 @dataclass
@@ -187,6 +190,9 @@ class RecordingScheduler(Scheduler):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        import uuid
+
+        self.roundalign_engine = uuid.uuid4().hex
         self.roundalign_schedules: dict[str, RequestSchedule] = {}
         self.roundalign_provocation: Provocation | None = None  # set by `provoked` for the start-up check only
         self._provoked_by: str | None = None  # or by this request (`add_request`), until it finishes
@@ -265,7 +271,8 @@ class RecordingScheduler(Scheduler):
         asked = getattr(request, "kv_transfer_params", None)
         if isinstance(asked, dict) and asked.get(RECORD_KEY):
             record = self.roundalign_schedules.pop(request.request_id, None)
-            params = {**(params or {}), RECORD_KEY: None if record is None else record.as_json()}
+            params = {**(params or {}), RECORD_KEY: None if record is None else record.as_json(),
+                      ENGINE_KEY: self.roundalign_engine}
         if request.request_id == self._provoked_by:
             self.roundalign_provocation, self._provoked_by = None, None
         return delay, params

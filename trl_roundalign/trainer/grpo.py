@@ -115,9 +115,8 @@ def _rng_untouched():
 class RoundAlignGRPOTrainer(GRPOTrainer):
     """GRPO with rounding alignment; accepts exactly what `trl.GRPOTrainer` accepts.
 
-    `args` should be a `RoundAlignGRPOConfig` (a plain `GRPOConfig` is upgraded with the defaults).
-    After construction, `self.roundalign_profile`, `self.roundalign_report` (a `PatchReport`) and
-    `self.roundalign_engine` (an `EngineInfo`, colocate mode) say what was aligned to what.
+    `args` should be a `RoundAlignGRPOConfig` (a plain `GRPOConfig` is upgraded with the defaults). After construction,
+    `roundalign_profile`, `roundalign_report` (a `PatchReport`) and `roundalign_layout` say what was aligned to what.
     """
 
     # MismatchCallback.attach reads this: the trainer records the log-probs itself (no import of this class there).
@@ -135,8 +134,7 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
         self._roundalign_schedule = None  # exact mode's schedule records per generation (`unreproduced.ScheduleCapture`)
         self._roundalign_reprefill = (None, None)  # the batch's re-prefill points and cuts while its log-probs are computed
         self._roundalign_generating = False
-        # Exact mode's stand-in for TRL's old log-probs (`old_logps`): the generation's sampler log-probs, then whether
-        # they stood in.
+        # Exact mode's stand-in for TRL's old log-probs (`old_logps`): the sampler's log-probs, then whether they stood in
         self._roundalign_stand_in, self._roundalign_old_from_sampler = None, None
         self._roundalign_seen: dict[int, weakref.ref] = {}
         self._mismatch_callback: MismatchCallback | None = None
@@ -193,7 +191,11 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
 
                     self._roundalign_horizon = PromptHorizon.for_engine(self.roundalign_layout, self.model,
                                                                         self._engine_block_size())
-                self._roundalign_schedule = self._capture_schedules()
+                from .server_exact import capture_schedules  # each request's schedule record, with every generation
+
+                self._roundalign_schedule = capture_schedules(
+                    self.vllm_generation, self.accelerator, stop=args.roundalign_stop_on_unreproduced,
+                    server=getattr(self, "_roundalign_server", None))
             if args.roundalign_verify_profile:
                 # Scoring the engine runs it and the policy: neither may move the random state the first generation
                 # samples from, or turning alignment on would change what is sampled from step 1 on.
@@ -440,8 +442,13 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
         finally:
             self.roundalign_report = self._install_patches()
         if is_exact(self.roundalign_profile):
+            check.verify_weights(self.model, when="start-up, after the first push")
             check.verify_sampler(self.model, tokenizer, result)
         return result
+
+    def roundalign_verify_server_weights(self):  # on demand, every process: `ServerCheck.verify_weights`
+
+        return self._server_check().verify_weights(self.model)
 
     def roundalign_run_info(self) -> dict:
         """Versions, engine mode, profile and regions: the first line of the mismatch JSONL."""
@@ -632,12 +639,6 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
         if reprefill is None or tuple(reprefill.shape) != (rows, logits_to_keep):
             return None, None
         return reprefill, cuts if cuts is not None and cuts.shape[0] == rows else None
-
-    def _capture_schedules(self):
-        """Exact mode's engine records each request's schedule; capture it with every generation."""
-        from .server_exact import capture_schedules
-
-        return capture_schedules(self.vllm_generation, self.accelerator, stop=self.args.roundalign_stop_on_unreproduced)
 
     def _generate_and_score_completions(self, inputs):
         """TRL's generation step; in exact mode the batch also carries, per completion token, whether the engine

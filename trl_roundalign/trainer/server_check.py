@@ -47,6 +47,7 @@ class ServerCheck:
         if client is not None:
             self.url = client.base_url
         self._read: tuple[EngineLayout | None, str] | None = None
+        self.engine: str | None = None  # the engine the sampler check sampled from (`engine.schedule.ENGINE_KEY`)
 
     @property
     def client(self):
@@ -94,6 +95,32 @@ class ServerCheck:
                            "start it with trl-roundalign serve.", self.url, WORKER_FACTS_METHOD, response.status_code)
             return None
         return results[0]
+
+    def verify_weights(self, model, *, when: str = "on demand"):
+        """The server's weights against `model`'s, a digest per tensor (`weight_transfer.digest`): every process takes
+        part (a sharded parameter is gathered), the main process asks the server's workers. Returns the
+        `WeightComparison`; a tensor that differs, or one that could not be compared, stops the run in one line."""
+        from ..weight_transfer.digest import DIGEST_METHOD, compare
+        from .startup_check import broadcast_from_main
+
+        payload, failure = [None], None
+        if self.client is not None:
+            try:
+                response = self.client.session.post(f"{self.url}/collective_rpc", json={"method": DIGEST_METHOD})
+                results = response.json().get("results") if response.status_code == 200 else None
+                if not results or not all(isinstance(r, dict) for r in results):
+                    raise RuntimeError(f"/collective_rpc {DIGEST_METHOD} answered {response.status_code}: start the "
+                                       "server with trl-roundalign serve")
+                payload = [results]
+            except Exception as e:  # noqa: BLE001 - broadcast, so that no process waits for a payload that never comes
+                failure = RuntimeError(f"The weights of the vLLM server at {self.url} could not be read ({when}): "
+                                       + " ".join(f"{type(e).__name__}: {e}".split()))
+        result = compare(model, broadcast_from_main(payload, failure))
+        if not result.equal:
+            raise RuntimeError(f"The vLLM server at {self.url} does not hold the trainer's weights ({when}): "
+                               f"{result.summary()}.")
+        logger.info("weights of the vLLM server at %s (%s): %s", self.url, when, result.summary())
+        return result
 
     def unverified_layout(self) -> EngineLayout | None:
         """An explicit profile with the start-up check off: the layout all the same (for the row blocks and TP layout);
@@ -161,7 +188,8 @@ class ServerCheck:
         from .startup_check import broadcast_from_main, verification_sequences
 
         layout = self.layout()[0]
-        inner = server_sampler(self.client) if self.client is not None else None
+        engines: set = set()
+        inner = server_sampler(self.client, engines) if self.client is not None else None
 
         def sample(*call):
             payload, failure = [None], None
@@ -177,6 +205,9 @@ class ServerCheck:
                                     sequence_limit(model, layout.max_model_len))
         verify_against_sampler(model, sample, verification_sequences(tokenizer), result, shared_tokens=shared,
                                chunks=bool(layout.chunked_prefill))
+        if len(engines) > 1:
+            raise RuntimeError(f"The vLLM server at {self.url} restarted during exact mode's sampler check.")
+        self.engine = next(iter(engines), None) if self.client is not None else None
         logger.info("exact mode: %d sampled tokens of the vLLM server at %s recomputed bit for bit (forms: %s)",
                     result.sampler_tokens, self.url, result.sampler_forms)
 

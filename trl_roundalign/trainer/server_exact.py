@@ -16,7 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from .unreproduced import ScheduleCapture
 
-__all__ = ["ServerScheduleCapture", "capture_schedules", "exact_server_refusal", "generate_with_schedules", "record_bytes", "server_sampler"]
+__all__ = ["ServerScheduleCapture", "capture_schedules", "exact_server_refusal", "generate_with_schedules", "record_bytes",
+           "restart_refusal", "server_sampler"]
 
 # Requests in flight at once (TRL's client sends its multimodal prompts 32 at a time).
 MAX_CONCURRENT = 64
@@ -26,11 +27,13 @@ def generate_with_schedules(client, prompts: list[list[int]], *, n: int = 1, pro
                             **sampling) -> tuple[dict, list]:
     """`(TRL's generate answer, records)`: what `client.generate(prompts, n=n, **sampling)` answers (`prompt_ids`,
     `completion_ids`, `logprobs`, `logprob_token_ids`), with one `engine.schedule.RequestSchedule` per completion
-    (None where the server returned none: its scheduler does not record). `provoke[i]`: what completion `i`'s request
+    (None where the server returned none: its scheduler does not record); the answer's `ENGINE_KEY` names the engine
+    that scheduled them all (None where none said; RuntimeError where they name two: the server restarted while they
+    ran). `provoke[i]`: what completion `i`'s request
     asks the recording scheduler to provoke (`chunk_tokens`, `preempt_after`; the start-up check's)."""
     from trl.generation.vllm_client import parse_logprobs
 
-    from ..engine.schedule import RECORD_KEY, RequestSchedule
+    from ..engine.schedule import ENGINE_KEY, RECORD_KEY, RequestSchedule
 
     extra = dict(sampling.pop("generation_kwargs", None) or {})
     if sampling.pop("structured_outputs_regex", None) is not None:
@@ -53,13 +56,28 @@ def generate_with_schedules(client, prompts: list[list[int]], *, n: int = 1, pro
         answers = list(pool.map(send, range(len(jobs))))
     choices = [a["choices"][0] for a in answers]
     logprobs, token_ids = parse_logprobs([c.get("logprobs") for c in choices])
-    records = []
+    records, engines = [], set()
     for a in answers:
         data = (a.get("kv_transfer_params") or {}).get(RECORD_KEY)
         records.append(None if data is None else RequestSchedule.from_json(data))
+        engines.add((a.get("kv_transfer_params") or {}).get(ENGINE_KEY))
+    engines.discard(None)
+    if len(engines) > 1:
+        raise RuntimeError(f"The vLLM server at {client.base_url} restarted while it generated (its completions name "
+                           f"{len(engines)} engines): restart the training run against it.")
     out = {"prompt_ids": [list(prompts[p]) for p in range(len(prompts))],
-           "completion_ids": [c["token_ids"] for c in choices], "logprobs": logprobs, "logprob_token_ids": token_ids}
+           "completion_ids": [c["token_ids"] for c in choices], "logprobs": logprobs, "logprob_token_ids": token_ids,
+           ENGINE_KEY: engines.pop() if engines else None}
     return out, records
+
+
+def restart_refusal(url: str, started: str | None, now: str | None) -> str | None:
+    """Why a server's generation cannot be trained on, or None: its engine (`ENGINE_KEY`) is not the one the run
+    started against (a restarted server: its weights are its checkpoint's again, whatever the run pushed)."""
+    if started is None or now is None or now == started:
+        return None
+    return (f"The vLLM server at {url} restarted during the run (its engine {now[:8]} is not the {started[:8]} the run "
+            "started against): its weights are not the trainer's. Restart the training run (from its last checkpoint).")
 
 
 def exact_server_refusal(layout, url: str) -> str | None:
@@ -87,10 +105,14 @@ class ServerScheduleCapture(ScheduleCapture):
     record (`generate_with_schedules`, TRL's `vllm_client.generate` wrapped); `share()`, called by every process after
     each generation, hands the records to every process, each of which reads its slice of TRL's completions."""
 
-    def __init__(self, vllm_generation, *, num_processes: int = 1, process_index: int = 0, stop: bool = False):
+    def __init__(self, vllm_generation, *, num_processes: int = 1, process_index: int = 0, stop: bool = False,
+                 server=None):
         super().__init__(None, tp_size=num_processes, tp_rank=process_index, stop=stop)
         self.record_bytes = self.completion_tokens = 0  # what the records cost on the wire, and for how many tokens
+        self.server = server  # the `server_check.ServerCheck`: the engine the start-up check sampled from
+        self.engine: str | None = None  # the engine the run generates with (`ENGINE_KEY`)
         self._pending: list = []
+        self._refusal: str | None = None
         client = getattr(vllm_generation, "vllm_client", None)
         if client is not None:  # the main process's
             client.generate = functools.partial(self._generate, client)
@@ -99,7 +121,13 @@ class ServerScheduleCapture(ScheduleCapture):
         if features is not None:
             raise ValueError("Exact mode in server mode: multimodal prompts are not generated with their schedule "
                              "records; use colocate mode for them.")
+        from ..engine.schedule import ENGINE_KEY
+
         out, records = generate_with_schedules(client, prompts, n=n, **sampling)
+        engine = out.pop(ENGINE_KEY)
+        self.engine = self.engine or getattr(self.server, "engine", None) or engine
+        # Not raised here: the other processes wait for these completions; `share` stops every process alike.
+        self._refusal = restart_refusal(client.base_url, self.engine, engine)
         self._pending = records
         self.record_bytes += record_bytes(records)
         self.completion_tokens += sum(len(c) for c in out["completion_ids"])
@@ -107,24 +135,28 @@ class ServerScheduleCapture(ScheduleCapture):
 
     def share(self) -> None:
         """Every process: the last generation's records, from the main process (where the client generated)."""
-        payload = [self._pending]
+        payload = [(self._pending, self._refusal)]
         if self.tp_size > 1:
             from accelerate.utils import broadcast_object_list
 
             broadcast_object_list(payload, from_process=0)
-        self.add(payload[0])
-        self._pending = []
+        records, refusal = payload[0]
+        self._pending, self._refusal = [], None
+        if refusal is not None:
+            raise RuntimeError(refusal)
+        self.add(records)
 
 
-def capture_schedules(vllm_generation, accelerator, *, stop: bool = False) -> ScheduleCapture:
+def capture_schedules(vllm_generation, accelerator, *, stop: bool = False, server=None) -> ScheduleCapture:
     """Exact mode's capture of the engine's schedule records with every generation: a colocated engine's
-    (`unreproduced.ScheduleCapture`, each TP rank reading its slice), or a server's (`ServerScheduleCapture`)."""
+    (`unreproduced.ScheduleCapture`, each TP rank reading its slice), or a server's (`ServerScheduleCapture`; `server`,
+    its `server_check.ServerCheck`)."""
     import torch
 
     llm = getattr(vllm_generation, "llm", None)
     if llm is None:
         return ServerScheduleCapture(vllm_generation, num_processes=accelerator.num_processes,
-                                     process_index=accelerator.process_index, stop=stop)
+                                     process_index=accelerator.process_index, stop=stop, server=server)
     tp = int(getattr(vllm_generation, "tensor_parallel_size", 1) or 1)
     rank = torch.distributed.get_rank(group=vllm_generation.tp_group) if tp > 1 else 0
     return ScheduleCapture(llm, tp_size=tp, tp_rank=rank, stop=stop)
@@ -137,10 +169,13 @@ def record_bytes(records) -> int:
     return sum(len(json.dumps(r.as_json(), separators=(",", ":"))) for r in records if r is not None)
 
 
-def server_sampler(client):
+def server_sampler(client, engines: set | None = None):
     """The sampler check's `sample` against a server (`sampler_check.verify_against_sampler`): each call's requests
-    generated together, seeded or provoked as asked, each with its record."""
+    generated together, seeded or provoked as asked, each with its record; the engines that scheduled them
+    (`ENGINE_KEY`) are added to `engines`."""
     import torch
+
+    from ..engine.schedule import ENGINE_KEY
 
     def sample(prompts, lengths, seeds, provoke):
         jobs = list(range(len(prompts)))
@@ -155,6 +190,8 @@ def server_sampler(client):
             answers = list(pool.map(one, jobs))
         result = []
         for answer, records in answers:
+            if engines is not None and answer[ENGINE_KEY] is not None:
+                engines.add(answer[ENGINE_KEY])
             ids = answer["completion_ids"][0]
             logps = torch.tensor([row[0] for row in answer["logprobs"][0]], dtype=torch.float32)
             record = records[0]
