@@ -52,8 +52,8 @@ class Server:
     default is loopback."""
 
     def __init__(self, model: Path, log: Path, backend: str = "gloo", extra: list[str] = (), env: dict | None = None,
-                 max_model_len: int = 256):
-        self.port = free_port()
+                 max_model_len: int = 256, port: int | None = None):
+        self.port = port or free_port()  # a given port: a server started again in another's place
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         cmd = [

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.env import subprocess_env
+from helpers.env import free_port, subprocess_env
 from transformers import AutoModelForCausalLM
 
 from trl_roundalign import apply_roundalign
@@ -55,8 +55,8 @@ def test_fsdp2_aligned_policy_keeps_the_fp32_residual_stream(tmp_path):
     """With the trainer's policy the sharded aligned model computes bit for bit what the unsharded one computes,
     and its gradients are the fp32 mean of the ranks' gradients (within fp32 rounding of the reduction); with
     accelerate's policy the fp32 residual stream is cast to bf16 at every layer boundary and the forward differs."""
-    aligned = _run(tmp_path, "aligned", 29571)
-    accel = _run(tmp_path, "accelerate", 29572)
+    aligned = _run(tmp_path, "aligned", free_port())
+    accel = _run(tmp_path, "accelerate", free_port())
     want_logits, want_grads = _reference(aligned)
     for r, want in zip(aligned, want_logits):
         assert torch.equal(r["logits"], want), "FSDP2 with the aligned policy must reproduce the unsharded forward"

@@ -152,3 +152,78 @@ def test_exact_grpo_against_a_server_is_bit_identical_to_its_sampler(exact_serve
         steps = [h for h in trainer.state.log_history if "loss" in h]
         assert steps and all(math.isfinite(h["loss"]) for h in steps)
         assert per_1000 < 1000  # under a byte per completion token (its id and log-prob take about 30 in the response)
+
+
+@pytest.mark.full  # two server starts and an exact trainer's: about 6 min on 2 AVX2 cores (make test-full)
+def test_a_server_restarted_under_a_running_trainer_stops_the_run(tmp_path):
+    """The server is stopped after the first step and another started in its place (same model, port and token): the
+    run stops before the second step is trained, in one line that says the server is not the one it started against
+    (the weight push before the second generation meets the new server first: its weight transfer never joined the
+    trainer's group); no second step is logged. (Had the push gone through, the completions' engine would stop it:
+    `restart_refusal`.)"""
+    from transformers import TrainerCallback
+
+    from trl_roundalign import RoundAlignGRPOTrainer
+
+    model = tiny_model("qwen3", **EXACT_MODEL)
+    port = free_port()
+    servers = [Server(model, tmp_path / "server-0.log", max_model_len=1024, extra=["--exact"], port=port)]
+
+    class Restart(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                servers[-1].stop()
+                servers.append(Server(model, tmp_path / "server-1.log", max_model_len=1024, extra=["--exact"],
+                                      port=port))
+                servers[-1].wait_ready(STARTUP_TIMEOUT_S)
+
+    try:
+        servers[0].wait_ready(STARTUP_TIMEOUT_S)
+        args = make_config(
+            tmp_path, max_steps=3, max_completion_length=32, vllm_mode="server", vllm_server_base_url=servers[0].url,
+            vllm_server_timeout=60, vllm_group_port=free_port(), roundalign_profile="auto",
+            roundalign_regions=["rope", "swiglu", "rmsnorm", "attention"], learning_rate=1e-3,
+        )
+        trainer = RoundAlignGRPOTrainer(model=str(model), reward_funcs=varied_reward, args=args,
+                                        train_dataset=long_prompts(3), callbacks=[Restart()])
+        try:
+            with pytest.raises(RuntimeError) as stopped:
+                trainer.train()
+        finally:
+            trainer.close()
+        print("the run stopped with:", " ".join(str(stopped.value).split())[:400])
+        # The weight push before the second generation is what meets the new server first.
+        assert "is not the one this trainer started with" in str(stopped.value), stopped.value
+        assert len(servers) == 2 and trainer.state.global_step == 1
+        rows = [json.loads(x) for x in (tmp_path / "mismatch.jsonl").read_text().splitlines()[1:]]
+        assert [r["step"] for r in rows] == [1]
+    finally:
+        for srv in servers:
+            srv.stop()
+
+
+@pytest.mark.full  # two training processes and a server on 2 cores: about 8 min on AMD AVX2 (make test-full)
+def test_two_training_processes_against_one_server_are_bit_identical_to_its_sampler(exact_server, tmp_path):
+    """Two data-parallel training processes against one `--exact` server: the main process's client generates every
+    completion with its record, the records are handed to both processes, each reproduces its slice; every completion
+    token of both steps is the sampler's, bit for bit (the metrics merged over the processes), and after a final sync
+    the server's weights are the trainer's on both."""
+    from pathlib import Path
+
+    from helpers.ranks import run_two_ranks
+
+    script = Path(__file__).with_name("server_exact_ranks_run.py")
+    ranks = run_two_ranks(script, tmp_path, exact_server.url, str(tiny_model("qwen3", **EXACT_MODEL)), str(free_port()),
+                          timeout=1500)
+    for r, result in enumerate(ranks):
+        print(f"rank {r}:", {k: v for k, v in result.items() if k != "steps"})
+        assert result["processes"] == 2 and result["profile"] == "vllm-compiled-exact", result
+        assert result["verdict"] == "ok" and result["sampler_bitwise"] == 1.0, result
+        assert result["engine"] == ranks[0]["engine"] and result["weights_equal"], result
+        steps = result["steps"]
+        assert [s["step"] for s in steps] == [1, 2], steps
+        for s in steps:
+            print(s)
+            # The metrics are merged over the two processes: 2 x 4 completions of 256 tokens per step.
+            assert s["mismatch/tokens"] == 2 * 4 * 256 and s["mismatch/unreproduced_tokens"] == 0, s
+            assert s["mismatch/frac_bitwise_equal"] == 1.0 and s["mismatch/kl_k3"] == 0.0, s

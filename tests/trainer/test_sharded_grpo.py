@@ -130,7 +130,7 @@ def _moved(a: dict, b: dict) -> tuple[int, int, int]:
 
 
 def test_fsdp2_grpo_two_processes_sync_metrics_resume(tmp_path):
-    train = _launch(tmp_path, "fsdp2.yaml", "train", 29591)
+    train = _launch(tmp_path, "fsdp2.yaml", "train", free_port())
     for r in train:
         setup = r["setup"]
         assert setup["distributed_type"] == "DistributedType.FSDP" and setup["is_fsdp2"]
@@ -155,7 +155,7 @@ def test_fsdp2_grpo_two_processes_sync_metrics_resume(tmp_path):
         print("grad entries not representable in bf16 per step:", [(s["grad_not_bf16"], s["grad_entries"]) for s in r["steps"][1:]])
     _check_sync(train)
     _check_metrics(train)
-    resumed = _launch(tmp_path, "fsdp2.yaml", "resume", 29592)
+    resumed = _launch(tmp_path, "fsdp2.yaml", "resume", free_port())
     _check_resume(train, resumed)
 
 
@@ -164,7 +164,7 @@ def test_zero3_grpo_two_processes_sync_metrics_resume(tmp_path):
     import deepspeed  # noqa: F401  (pinned in requirements/cpu.lock: a broken install fails here, never skips)
 
     ds = {"DS_ACCELERATOR": "cpu", "ROUNDALIGN_SHIM_DS": "1"}
-    train = _launch(tmp_path, "zero3.yaml", "train", 29593, **ds)
+    train = _launch(tmp_path, "zero3.yaml", "train", free_port(), **ds)
     for r in train:
         setup = r["setup"]
         assert setup["distributed_type"] == "DistributedType.DEEPSPEED" and setup["mixed_precision"] == "bf16"
@@ -181,7 +181,7 @@ def test_zero3_grpo_two_processes_sync_metrics_resume(tmp_path):
         assert all(s["master_not_bf16"] > s["master_entries"] // 2 for s in masters)
     _check_sync(train)
     _check_metrics(train)
-    resumed = _launch(tmp_path, "zero3.yaml", "resume", 29594, **ds)
+    resumed = _launch(tmp_path, "zero3.yaml", "resume", free_port(), **ds)
     _check_resume(train, resumed)
 
 

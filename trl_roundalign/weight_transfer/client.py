@@ -18,6 +18,7 @@ from .auth import TOKEN_ENV, TOKEN_HEADER
 from .gloo import (
     DEFAULT_BUFFER_SIZE_BYTES,
     DEFAULT_TIMEOUT_S,
+    NOT_JOINED,
     GlooGroup,
     _dtype,
     _is_loopback,
@@ -184,10 +185,19 @@ class GlooVLLMClient(VLLMClient):
         update_info = {"names": names, "dtype_names": dtype_names, "shapes": shapes}
         if not self._updating_weights:
             self._start_weight_update()
-        stream_update(
-            lambda: self._post_once(f"{self.base_url}/update_weights", json={"update_info": update_info}),
-            lambda: send_tensors(self.communicator, dtypes, shapes, names, named_params, self.buffer_size_bytes),
-        )
+        try:
+            stream_update(
+                lambda: self._post_once(f"{self.base_url}/update_weights", json={"update_info": update_info}),
+                lambda: send_tensors(self.communicator, dtypes, shapes, names, named_params, self.buffer_size_bytes),
+            )
+        except RuntimeError as e:
+            if NOT_JOINED not in str(e):
+                raise
+            raise RuntimeError(
+                f"The vLLM server at {self.base_url} is not the one this trainer started with: its weight transfer never "
+                "joined the trainer's group (it was restarted, or another server answers at that address), so its "
+                "weights are not the trainer's. Restart the training run (from its last checkpoint)."
+            ) from e
         if not self._updating_weights:
             self._finish_weight_update()
 

@@ -45,6 +45,11 @@ __all__ = [
 _is_loopback = is_loopback  # the client's name for it
 
 
+# What a server's engine answers a weight update when it never joined a trainer's group (`receive_weights`): to a
+# trainer that did join one, the server it syncs with has restarted, or another answers at its address.
+NOT_JOINED = "gloo weight transfer not initialized: call init_weight_transfer_engine first."
+
+
 def _loopback_listener(address: str, port: int) -> int | None:
     """The file descriptor of a socket listening on `address`:`port`, for rank 0's TCPStore to take over, when
     `address` is a loopback address; None otherwise.
@@ -301,7 +306,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
 
     def receive_weights(self, update_info: GlooWeightTransferUpdateInfo) -> None:
         if self.group is None:
-            raise RuntimeError("gloo weight transfer not initialized: call init_weight_transfer_engine first.")
+            raise RuntimeError(NOT_JOINED)
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
         dtypes = [_dtype(d) for d in update_info.dtype_names]
