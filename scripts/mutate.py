@@ -276,8 +276,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "trainer-reprefills-ignored", "trl_roundalign/trainer/grpo.py",
-        "        if reprefill is not None and bool((reprefill > 0).any()):\n",
-        "        if False:\n",
+        "        here = reprefill is not None and bool((reprefill > 0).any())\n",
+        "        here = False\n",
         "a preempted request's tokens after its re-prefill recomputed as after the first prefill (86.4% measured)",
         (f"{SCHEDULE}::test_a_preempting_engine_is_reproduced_bit_for_bit",),
     ),

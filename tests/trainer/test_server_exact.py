@@ -219,7 +219,8 @@ def test_two_training_processes_against_one_server_are_bit_identical_to_its_samp
         print(f"rank {r}:", {k: v for k, v in result.items() if k != "steps"})
         assert result["processes"] == 2 and result["profile"] == "vllm-compiled-exact", result
         assert result["verdict"] == "ok" and result["sampler_bitwise"] == 1.0, result
-        assert result["engine"] == ranks[0]["engine"] and result["weights_equal"], result
+        assert (result["engine"] is not None) == (r == 0), result  # the main process's client generates
+        assert result["weights_equal"], result
         steps = result["steps"]
         assert [s["step"] for s in steps] == [1, 2], steps
         for s in steps:

@@ -601,15 +601,16 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
         reprefill, cuts = self._schedule_of(input_ids.shape[0], int(logits_to_keep))
         main_cuts = None if cuts is None else [row_cuts(cuts, r, 0) for r in range(input_ids.shape[0])]
         out = self._logps_in_form(model, input_ids, attention_mask, logits_to_keep, *args, cuts=main_cuts, **kwargs)
-        if reprefill is not None and bool((reprefill > 0).any()):
+        here = reprefill is not None and bool((reprefill > 0).any())
+        if here or (self._roundalign_schedule is not None and self.accelerator.num_processes > 1):  # forwards agree
             entropy = bool(kwargs.get("compute_entropy", args[1] if len(args) > 1 else False))
-            if any(kwargs.get(k) is not None for k in ("pixel_values", "token_type_ids", "mm_token_type_ids")):
+            if here and any(kwargs.get(k) is not None for k in ("pixel_values", "token_type_ids", "mm_token_type_ids")):
                 raise UnreproducedStep(
                     "Exact mode: the engine preempted and re-prefilled a multimodal request, and the trainer reproduces "
                     "re-prefills of text requests only. Give the engine enough KV cache for a step's sequences.")
             out = reproduce_reprefills(
                 lambda ids, mask, keep, c: self._logps_in_form(model, ids, mask, keep, compute_entropy=entropy, cuts=c),
-                input_ids, attention_mask, int(logits_to_keep), reprefill.to(input_ids.device), out, cuts)
+                input_ids, attention_mask, int(logits_to_keep), reprefill, out, cuts, accelerator=self.accelerator)
         if self._roundalign_capture:
             self._roundalign_captured = out[0].detach()
         return out

@@ -186,7 +186,7 @@ def row_cuts(cuts: torch.Tensor | None, row: int, g: int) -> tuple[int, ...]:
 
 
 def reproduce_reprefills(compute, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int,
-                         reprefill: torch.Tensor, out: tuple, cuts: torch.Tensor | None = None):
+                         reprefill: torch.Tensor | None, out: tuple, cuts: torch.Tensor | None = None, accelerator=None):
     """`out` (`(logps, entropies, aux)` of the batch's forward, whose completion tokens were computed as after the
     prompt's prefill) with each re-prefilled stretch's tokens recomputed as the engine computed them.
 
@@ -197,22 +197,36 @@ def reproduce_reprefills(compute, input_ids: torch.Tensor, attention_mask: torch
     trainer's exact forward of the row's columns up to token `e` with its last `keep = e - g` tokens in decode form:
     the first `g` completion tokens are then prefilled with the prompt, as the engine's re-prefill was (in the chunks
     `cuts` where it chunked it, `CUTS_KEY`). One forward per stretch, each over the stretch's whole prefix: what a
-    preemption costs the trainer. The gradient flows through the forward that computed each token."""
-    rows = [int(r) for r in torch.nonzero((reprefill > 0).any(dim=1)).flatten()]
-    if not rows:
+    preemption costs the trainer. The gradient flows through the forward that computed each token.
+
+    With several training processes (`accelerator`), each forward of a wrapped model is a collective (DDP's buffer
+    broadcast, FSDP2's all-gathers), so every process runs as many as the process with the most stretches: the others
+    add forwards of their first row's first completion token whose result enters the log-probs as an exact +0 (value
+    and gradient zero), so that their backward meets the same hooks."""
+    column = input_ids.shape[1] - int(logits_to_keep)
+    stretches = []
+    reprefill = None if reprefill is None else reprefill.to(input_ids.device)
+    rows = [] if reprefill is None else [int(r) for r in torch.nonzero((reprefill > 0).any(dim=1)).flatten()]
+    for r in rows:
+        length = int(attention_mask[r, column:].sum())  # the completion's tokens (right-padded after them)
+        starts = sorted({int(g) for g in reprefill[r, :length].tolist()} - {0})
+        stretches += [(r, g, e) for g, e in zip(starts, starts[1:] + [length])]
+    forwards = len(stretches)
+    if accelerator is not None and accelerator.num_processes > 1:
+        forwards = int(accelerator.gather(torch.tensor([forwards], device=input_ids.device)).max())
+    if not forwards:
         return out
     logps, entropies, aux = out
     logps = logps.clone()
     entropies = None if entropies is None else entropies.clone()
-    column = input_ids.shape[1] - int(logits_to_keep)
-    for r in rows:
-        length = int(attention_mask[r, column:].sum())  # the completion's tokens (right-padded after them)
-        starts = sorted({int(g) for g in reprefill[r, :length].tolist()} - {0})
-        for g, e in zip(starts, starts[1:] + [length]):
-            part_logps, part_entropies, _ = compute(input_ids[r : r + 1, : column + e],
-                                                    attention_mask[r : r + 1, : column + e], e - g,
-                                                    [row_cuts(cuts, r, g)])
-            logps[r, g:e] = part_logps[0]
-            if entropies is not None:
-                entropies[r, g:e] = part_entropies[0]
+    for r, g, e in stretches:
+        part_logps, part_entropies, _ = compute(input_ids[r : r + 1, : column + e], attention_mask[r : r + 1, : column + e],
+                                                e - g, [row_cuts(cuts, r, g)])
+        logps[r, g:e] = part_logps[0]
+        if entropies is not None:
+            entropies[r, g:e] = part_entropies[0]
+    for _ in range(forwards - len(stretches)):
+        part_logps, _, _ = compute(input_ids[:1, : column + 1], attention_mask[:1, : column + 1], 1, [()])
+        # +0 exactly, whatever the part computed (|.| * 0 is +0; x - (+0) is x, -0 included): value and gradient 0.
+        logps[0, 0] = logps[0, 0] - part_logps.nan_to_num(0.0, 0.0, 0.0).sum().abs() * 0
     return logps, entropies, aux
