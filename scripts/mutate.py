@@ -263,7 +263,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         (f"{SERVER_EXACT}::test_exact_grpo_against_a_server_is_bit_identical_to_its_sampler",),
     ),
     Mutation(
-        "server-weight-digest-differences-ignored", "trl_roundalign/weight_transfer/digest.py",
+        "server-weight-digest-differences-ignored", "trl_roundalign/engine/weight_digest.py",
         "            elif mine != digest:\n", "            elif False:\n",
         "a server tensor whose digest differs from the trainer's counted as compared",
         (f"{SERVER_EXACT}::test_exact_grpo_against_a_server_is_bit_identical_to_its_sampler",),

@@ -140,8 +140,8 @@ class WorkerFacts:
         return worker_facts(self)
 
     def roundalign_weight_digests(self) -> dict:
-        """A digest of each weight the worker computes with, in the trainer's names (`weight_transfer.digest`)."""
-        from ..weight_transfer.digest import worker_digests
+        """A digest of each weight the worker computes with, in the trainer's names (`engine.weight_digest`)."""
+        from .weight_digest import worker_digests
 
         return worker_digests(self)
 

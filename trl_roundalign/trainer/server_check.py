@@ -97,10 +97,10 @@ class ServerCheck:
         return results[0]
 
     def verify_weights(self, model, *, when: str = "on demand"):
-        """The server's weights against `model`'s, a digest per tensor (`weight_transfer.digest`): every process takes
+        """The server's weights against `model`'s, a digest per tensor (`engine.weight_digest`): every process takes
         part (a sharded parameter is gathered), the main process asks the server's workers. Returns the
         `WeightComparison`; a tensor that differs, or one that could not be compared, stops the run in one line."""
-        from ..weight_transfer.digest import DIGEST_METHOD, compare
+        from ..engine.weight_digest import DIGEST_METHOD, compare
         from .startup_check import broadcast_from_main
 
         payload, failure = [None], None

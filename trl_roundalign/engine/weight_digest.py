@@ -1,4 +1,4 @@
-"""The server's weights shown equal, bit for bit, to the trainer's: a digest per tensor, in the trainer's names.
+"""An engine's weights shown equal, bit for bit, to the trainer's: a digest per tensor, in the trainer's names.
 
 Each worker of the server hashes the weights its model computes with (`worker_digests`, through the token-guarded
 /collective_rpc of `trl-roundalign serve`'s workers: `engine.layout.WorkerFacts.roundalign_weight_digests`), cut back to
