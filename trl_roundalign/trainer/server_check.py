@@ -85,16 +85,23 @@ class ServerCheck:
         through its /collective_rpc (`trl-roundalign serve` starts its workers with `engine.layout.WorkerFacts`);
         None, with a warning, where the server does not answer them (another server, or a user's own worker
         extension): the layout's facts of its workers are then unknown, never guessed."""
-        response = self.client.session.post(f"{self.url}/collective_rpc", json={"method": WORKER_FACTS_METHOD})
+        results, status = self._workers_answer(WORKER_FACTS_METHOD)
+        if results is None:
+            logger.warning("The vLLM server at %s does not report its workers' facts (/collective_rpc %s answered %s): "
+                           "start it with trl-roundalign serve.", self.url, WORKER_FACTS_METHOD, status)
+            return None
+        return results[0]
+
+    def _workers_answer(self, method: str) -> tuple[list[dict] | None, int]:
+        """`(each worker's answer, HTTP status)` to `method` of `trl-roundalign serve`'s worker extension, through the
+        server's /collective_rpc; None where the server did not answer a dict per worker."""
+        response = self.client.session.post(f"{self.url}/collective_rpc", json={"method": method})
         try:
             results = response.json().get("results") if response.status_code == 200 else None
         except ValueError:  # not JSON
             results = None
-        if not results or not isinstance(results[0], dict):
-            logger.warning("The vLLM server at %s does not report its workers' facts (/collective_rpc %s answered %s): "
-                           "start it with trl-roundalign serve.", self.url, WORKER_FACTS_METHOD, response.status_code)
-            return None
-        return results[0]
+        ok = bool(results) and all(isinstance(r, dict) for r in results)
+        return (results if ok else None), response.status_code
 
     def verify_weights(self, model, *, when: str = "on demand"):
         """The server's weights against `model`'s, a digest per tensor (`engine.weight_digest`): every process takes
@@ -106,11 +113,10 @@ class ServerCheck:
         payload, failure = [None], None
         if self.client is not None:
             try:
-                response = self.client.session.post(f"{self.url}/collective_rpc", json={"method": DIGEST_METHOD})
-                results = response.json().get("results") if response.status_code == 200 else None
-                if not results or not all(isinstance(r, dict) for r in results):
-                    raise RuntimeError(f"/collective_rpc {DIGEST_METHOD} answered {response.status_code}: start the "
-                                       "server with trl-roundalign serve")
+                results, status = self._workers_answer(DIGEST_METHOD)
+                if results is None:
+                    raise RuntimeError(f"/collective_rpc {DIGEST_METHOD} answered {status}: start the server with "
+                                       "trl-roundalign serve")
                 payload = [results]
             except Exception as e:  # noqa: BLE001 - broadcast, so that no process waits for a payload that never comes
                 failure = RuntimeError(f"The weights of the vLLM server at {self.url} could not be read ({when}): "
@@ -184,7 +190,7 @@ class ServerCheck:
         client samples (each request with its schedule record, the chunked and preempted ones provoked through the
         server's recording scheduler), every process recomputes on `model` (patched, exact) and stops alike."""
         from .sampler_check import long_prompt_tokens, sequence_limit, verify_against_sampler
-        from .server_exact import server_sampler
+        from .server_exact import restart_refusal, server_sampler
         from .startup_check import broadcast_from_main, verification_sequences
 
         layout = self.layout()[0]
@@ -205,9 +211,9 @@ class ServerCheck:
                                     sequence_limit(model, layout.max_model_len))
         verify_against_sampler(model, sample, verification_sequences(tokenizer), result, shared_tokens=shared,
                                chunks=bool(layout.chunked_prefill))
-        if len(engines) > 1:
-            raise RuntimeError(f"The vLLM server at {self.url} restarted during exact mode's sampler check.")
-        self.engine = next(iter(engines), None) if self.client is not None else None
+        self.engine = min(engines, default=None)  # the main process's (its client samples); a second one: restarted
+        if (why := restart_refusal(self.url, self.engine, max(engines, default=None))) is not None:
+            raise RuntimeError(why)
         logger.info("exact mode: %d sampled tokens of the vLLM server at %s recomputed bit for bit (forms: %s)",
                     result.sampler_tokens, self.url, result.sampler_forms)
 
