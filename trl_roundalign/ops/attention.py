@@ -469,6 +469,25 @@ def sampled_from(column: int, cuts: Sequence[Sequence[int]] | None = None):
         _DECODE_FROM_COLUMN.reset(token)
 
 
+def sampled_prefill_ends(lens: Sequence[int], starts: Sequence[int], rows: Sequence[int], batch: int):
+    """Inside `sampled_from`: each packed sequence's prefill as its chunks' ends (positions from its first token; the
+    last the prefill's length, the tokens after it computed in decode form), from the sampled column and the batch
+    rows' chunk cuts; None outside (every sequence one prefill). Shared by every mixer that computes the sampler's
+    forms (attention, Qwen3.5's gated delta-net)."""
+    sampled = _DECODE_FROM_COLUMN.get()
+    if sampled is None:
+        return None
+    column, cuts = sampled
+    decode_from = [min(max(column - a, 1), n) for a, n in zip(starts, lens)]
+    if cuts is None:
+        return [(pf,) for pf in decode_from]
+    if len(cuts) != batch or len(set(rows)) != len(rows):
+        raise ValueError(
+            f"chunked-prefill cuts are given per batch row ({len(cuts)} for {batch} rows) and need one "
+            "sequence per row (a padding mask, not packed sequences).")
+    return [(*(c for c in cuts[row] if 0 < c < pf), pf) for row, pf in zip(rows, decode_from)]
+
+
 # ----------------------------------------------------------------------------------------------
 # Hugging Face transformers attention interface
 # ----------------------------------------------------------------------------------------------
@@ -677,18 +696,8 @@ def hf_attention_interface(
     out = query.new_zeros(batch, q_len, hq, d)
     if not lens:
         return out, None
-    decode_from, kv_split = None, None
-    sampled = _DECODE_FROM_COLUMN.get()
-    if sampled is not None:
-        column, cuts = sampled
-        decode_from = [min(max(column - a, 1), n) for a, n in zip(starts, lens)]
-        if cuts is not None:
-            if len(cuts) != batch or len(set(rows)) != len(rows):
-                raise ValueError(
-                    f"chunked-prefill cuts are given per batch row ({len(cuts)} for {batch} rows) and need one "
-                    "sequence per row (a padding mask, not packed sequences).")
-            decode_from = [(*(c for c in cuts[row] if 0 < c < pf), pf) for row, pf in zip(rows, decode_from)]
-        kv_split = False
+    decode_from = sampled_prefill_ends(lens, starts, rows, batch)
+    kv_split = None if decode_from is None else False
     q_packed = query.transpose(1, 2)[row_idx, pos]  # [N, Hq, D]
     k_packed = key.transpose(1, 2)[row_idx, pos]
     v_packed = value.transpose(1, 2)[row_idx, pos]
