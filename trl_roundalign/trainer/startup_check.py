@@ -196,7 +196,8 @@ def verification_sequences(tokenizer, *, max_len: int = 48) -> list[list[int]]:
     return seqs
 
 
-def _score(model, sequences, engine_logps, regions, profile, backend, lanes, block_size, max_len=None) -> CandidateScore:
+def _score(model, sequences, engine_logps, regions, profile, backend, lanes, block_size, max_len=None,
+           gdn=None) -> CandidateScore:
     from ..models import takes_engine_lanes
     from ..patching import apply_roundalign, revert_roundalign
     from ..scoring import hf_logprobs
@@ -207,7 +208,7 @@ def _score(model, sequences, engine_logps, regions, profile, backend, lanes, blo
     apply_roundalign(
         model, regions, profile, backend, reduction_lanes=use_lanes, lanes_source="engine" if use_lanes else None,
         positions_from_mask=False, attention_block_size=block_size if prof.attention == "vllm-cpu" else None,
-        engine_max_model_len=max_len,
+        engine_max_model_len=max_len, gated_delta_net=gdn if "attention" in regions else None,
     )
     mine = hf_logprobs(model, sequences)
     a, b, mask = _padded(mine, engine_logps)
@@ -395,6 +396,7 @@ def verify_profile(
     start = time.perf_counter()
     regions = tuple(regions)
     max_len = getattr(info, "max_model_len", None)  # LongRoPE models: the engine's factor set
+    gdn = getattr(info, "gated_delta_net", None)  # Qwen3.5: the engine's gated delta-net form
     from ..models import exact_refusal_for
 
     refusal = None if is_exact(chosen) else exact_refusal_for(model)
@@ -416,16 +418,16 @@ def verify_profile(
     base_regions = tuple(r for r in regions if r != "attention") or ("rope", "swiglu", "rmsnorm")
     scores: list[CandidateScore] = []
     with torch.no_grad():
-        chosen_score = _score(model, sequences, engine_logps, regions, chosen, backend, lanes, attention_block_size, max_len)
+        chosen_score = _score(model, sequences, engine_logps, regions, chosen, backend, lanes, attention_block_size, max_len, gdn)
         scores.append(chosen_score)
         for p in bases:
             if p != chosen or regions != base_regions:
-                scores.append(_score(model, sequences, engine_logps, base_regions, p, backend, lanes, attention_block_size, max_len))
+                scores.append(_score(model, sequences, engine_logps, base_regions, p, backend, lanes, attention_block_size, max_len, gdn))
         exact_scores = []
         if lanes is not None:
             for p in exacts:
                 if p != chosen:
-                    exact_scores.append(_score(model, sequences, engine_logps, ALL_REGIONS, p, backend, lanes, attention_block_size, max_len))
+                    exact_scores.append(_score(model, sequences, engine_logps, ALL_REGIONS, p, backend, lanes, attention_block_size, max_len, gdn))
             scores.extend(exact_scores)
     tokens = sum(len(x) for x in engine_logps)
     result = Verification(chosen, None, scores, tokens, 0.0, engine_noise_k3=engine_noise_k3)
