@@ -65,6 +65,8 @@ SCHEDULE = "tests/trainer/test_unreproduced.py"
 SERVER = "tests/trainer/test_server_mode.py"
 SERVER_EXACT = "tests/trainer/test_server_exact.py"
 ALONE = "tests/engine/test_prefill_alone.py"
+GDN = "tests/ops/test_gated_delta_net.py"
+GDN_SAMPLER = "tests/trainer/test_sampler_exact_sweep.py::test_gated_delta_net_model_is_the_samplers"
 
 MUTATIONS: tuple[Mutation, ...] = (
     # ---- the regions' arithmetic -------------------------------------------------------------------------------
@@ -273,6 +275,25 @@ MUTATIONS: tuple[Mutation, ...] = (
         "    if started is None or now is None or now == started:\n", "    if True:\n",
         "a completion from another engine than the start-up check's (a restarted server) trained on",
         (f"{SERVER_EXACT}::test_each_completion_comes_back_with_its_schedule_record",),
+    ),
+    Mutation(
+        "gdn-norm-eager-exp", "trl_roundalign/models/qwen3_5.py",
+        "(zf / (inductor_exp(-zf) + 1.0))", "(zf / (torch.exp(-zf) + 1.0))",
+        "Qwen3.5's gated output norm takes eager exp, not the engine's compiled one (92.2% of a GRPO step measured)",
+        (f"{GDN}::test_the_gated_norm_is_inductors_and_eager_exp_is_not", GDN_SAMPLER),
+    ),
+    Mutation(
+        "gdn-decode-as-prefill", "trl_roundalign/models/qwen3_5.py",
+        "lens=lens, prefill=sampled_prefill_ends(lens, starts, rows, batch),",
+        "lens=lens, prefill=None,",
+        "the gated delta-net's sampled tokens recomputed in one chunked prefill, not one recurrent step each",
+        (GDN_SAMPLER,),
+    ),
+    Mutation(
+        "gdn-slot-zero", "trl_roundalign/ops/gated_delta_net.py",
+        "        slots = _i32(i + 1 for i in seqs)\n", "        slots = _i32(seqs)\n",
+        "a decoded sequence on cache slot 0, the engine's null block, which vLLM's conv update skips",
+        (f"{GDN}::test_the_engine_form_is_the_formula_up_to_rounding_and_depends_on_the_schedule", GDN_SAMPLER),
     ),
     Mutation(
         "trainer-reprefills-ignored", "trl_roundalign/trainer/grpo.py",
