@@ -77,6 +77,9 @@ class EngineLayout:
     attention_prefill_alone: bool | None = None
     chunked_prefill: bool | None = None
     prefix_caching: bool | None = None
+    # vLLM's cache strategy for mamba-like layers (Qwen3.5's gated delta-net): "align" (its default with prefix caching)
+    # makes its scheduler cut a hybrid model's prefills at KV block boundaries; None where not reported.
+    mamba_cache_mode: str | None = None
     # Whether its scheduler records each request's schedule (`engine.schedule.RecordingScheduler`, exact mode's): then a
     # chunked prefill's cuts are read per request and reproduced (`prompts_alone` holds with chunking on).
     schedule_recorded: bool | None = None
@@ -106,6 +109,12 @@ class EngineLayout:
         )
 
     @property
+    def prefills_cut_at_blocks(self) -> bool:
+        """Whether the scheduler cuts prefills at KV block boundaries (a hybrid model under mamba_cache_mode "align"):
+        a long prompt is then chunked whatever the step budget."""
+        return bool(self.gated_delta_net) and self.mamba_cache_mode == "align"
+
+    @property
     def prompts_alone(self) -> bool:
         """Every prompt's prefill computed in kernel calls of its own (whole, or in the chunks and from the prefix hits
         the scheduler recorded): its bits do not depend on its step's company, and the trainer reproduces them."""
@@ -117,6 +126,7 @@ class EngineLayout:
         d["compiled"] = self.compiled
         d["piecewise"] = self.piecewise
         d["prompts_alone"] = self.prompts_alone
+        d["prefills_cut_at_blocks"] = self.prefills_cut_at_blocks
         return d
 
 
@@ -368,6 +378,7 @@ def layout_or_why(server_info: dict) -> tuple[EngineLayout | None, str]:
         attention_prefill_alone=facts.get("attention_prefill_alone"),
         chunked_prefill=_bool_or_none((cfg.get("scheduler_config") or {}).get("enable_chunked_prefill")),
         prefix_caching=_bool_or_none((cfg.get("cache_config") or {}).get("enable_prefix_caching")),
+        mamba_cache_mode=(cfg.get("cache_config") or {}).get("mamba_cache_mode"),
         schedule_recorded=_records_schedules((cfg.get("scheduler_config") or {}).get("scheduler_cls")),
         reduction_lanes=[int(v) for v in facts["reduction_lanes"]] if facts.get("reduction_lanes") else None,
         embedding_kernels=_int_or_none(facts.get("embedding_kernels")),

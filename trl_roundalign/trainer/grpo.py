@@ -420,7 +420,8 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
                                         sequence_limit(self.model, getattr(layout, "max_model_len", None)))
             forms = None if capture is None else (lambda: list(zip(capture.generations[-1], capture.kinds[-1])))
             verify_against_sampler(self.model, llm_sampler(llm, forms), sequences, result, shared_tokens=shared,
-                                   chunks=bool(getattr(layout, "chunked_prefill", False)))
+                                   chunks=bool(getattr(layout, "chunked_prefill", False)),
+                                   cut_at_blocks=bool(getattr(layout, "prefills_cut_at_blocks", False)))
             result.prompt_horizon = self._roundalign_horizon.tokens
         logger.info("profile %s verified in %.1f s (%d tokens; sampler: %d)", result.chosen, result.seconds, result.tokens,
                     result.sampler_tokens)

