@@ -62,7 +62,10 @@ def test_smollm2_missing_packages_name_what_to_install(monkeypatch, tmp_path):
 # fixture's engines live for the session (tests/models/test_qwen3_moe_vllm.py serves it in a fresh process). Not olmo2:
 # vLLM's Transformers backend rewires transformers' Olmo2Model class for the rest of the process when it builds the
 # engine (tests/models/test_olmo2_vllm.py serves it through analyze's engine process).
-@pytest.mark.parametrize("arch", [a for a in SUPPORTED_TINY_ARCHS if a not in ("qwen3_moe", "olmo2")])
+# Gemma 4 (E2B's widths: 82 s of compile on the AVX2 kind) in make test-full only: in make test its engine samples with
+# log-probs and scores prompt log-probs in tests/models/test_gemma4_vllm.py.
+@pytest.mark.parametrize("arch", [pytest.param(a, marks=[pytest.mark.full]) if a == "gemma4" else a
+                                  for a in SUPPORTED_TINY_ARCHS if a not in ("qwen3_moe", "olmo2")])
 def test_vllm_serves_each_tiny_model_with_logprobs(arch, engines):
     from vllm import SamplingParams
 
