@@ -19,7 +19,14 @@ def test_exact_refusal_is_one_answer_for_a_config_and_its_model():
     answer = exact_refusal_for(AutoConfig.from_pretrained(moe))
     assert exact_refusal_for(AutoModelForCausalLM.from_pretrained(moe, dtype=torch.bfloat16)) == answer
     assert answer is None or "\n" not in answer
-    # Qwen3.5 with gated delta-net layers has an exact mode (ops.gated_delta_net); Qwen3 always had one.
-    for path in (tiny_qwen3_5(), tiny_model("qwen3")):
-        assert exact_refusal_for(AutoConfig.from_pretrained(path)) is None
-        assert exact_refusal_for(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)) is None
+    # Qwen3.5 with gated delta-net layers has an exact mode (ops.gated_delta_net) where vLLM-CPU's conv is its torch
+    # one, a one-line refusal where it is C++ with packed weights (AVX-512 BF16); config and model agree either way.
+    from trl_roundalign.ops.gated_delta_net import cpp_conv_here
+
+    hybrid = tiny_qwen3_5()
+    answer = exact_refusal_for(AutoConfig.from_pretrained(hybrid))
+    assert (answer is not None) == cpp_conv_here(), answer
+    assert exact_refusal_for(AutoModelForCausalLM.from_pretrained(hybrid, dtype=torch.bfloat16)) == answer
+    qwen3 = tiny_model("qwen3")  # Qwen3 always had one
+    assert exact_refusal_for(AutoConfig.from_pretrained(qwen3)) is None
+    assert exact_refusal_for(AutoModelForCausalLM.from_pretrained(qwen3, dtype=torch.bfloat16)) is None
