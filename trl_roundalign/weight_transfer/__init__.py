@@ -57,6 +57,9 @@ def register() -> None:
     from ..engine.prefill import install_prefill_alone
 
     install_prefill_alone()
+    from ..engine.moe_sync import install_moe_weight_sync_fix
+
+    install_moe_weight_sync_fix()
     _register_models()
     try:
         from vllm.distributed.weight_transfer.factory import (
