@@ -11,7 +11,7 @@ import inspect
 import pytest
 import trl.generation.vllm_generation as vg
 
-from trl_roundalign.trainer.grpo import _engine_awake
+from trl_roundalign.trainer.engine_plan import engine_awake as _engine_awake
 
 
 class _RecordingEngine:

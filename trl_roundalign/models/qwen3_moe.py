@@ -32,6 +32,7 @@ import functools
 
 import torch
 
+from ..ops.routing import replay_of
 from .decoder import _as_forward_of, _state, aligned_mlp_forward
 from .spec import ArchSpec, register_arch
 
@@ -150,6 +151,14 @@ def _router_weights(logits: torch.Tensor, top_k: int, renormalize: bool) -> tupl
     return torch.exp(top - torch.logsumexp(lf, dim=-1, keepdim=True)), idx
 
 
+def _router_weights_at(logits: torch.Tensor, idx: torch.Tensor, renormalize: bool) -> torch.Tensor:
+    """`_router_weights`' fp32 weights at given top-k indices (routing replay's)."""
+    lf = logits.float()
+    if renormalize:
+        return torch.softmax(lf.gather(-1, idx), dim=-1)
+    return torch.exp(lf.gather(-1, idx) - torch.logsumexp(lf, dim=-1, keepdim=True))
+
+
 def aligned_moe_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     """`Qwen3MoeSparseMoeBlock.forward` with the engine's rounding structure (module docstring).
 
@@ -173,6 +182,11 @@ def aligned_moe_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         weights = weights + (differentiable - differentiable.detach())
     else:
         weights, idx = _router_weights(logits, gate.top_k, gate.norm_topk_prob)
+    if (replay := replay_of(gate)) is not None:  # routing replay: the engine's experts (`ops.routing`)
+        replayed = replay.indices(gate, idx, count=False)
+        at = _router_weights_at(logits, replayed, gate.norm_topk_prob)
+        same = torch.eq(replayed, idx).all(-1, keepdim=True)  # the same experts in the same slots: values kept
+        weights, idx = torch.where(same, weights, at), replayed
     out = _as_forward_of(self.experts, functools.partial(_experts_forward, self.experts, exact=exact), x, idx, weights)
     return out.to(x.dtype).reshape(shape)
 

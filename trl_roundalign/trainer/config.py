@@ -118,6 +118,17 @@ class RoundAlignGRPOConfig(GRPOConfig):
             "mismatch/unreproduced_tokens."
         },
     )
+    roundalign_routing_replay: bool = field(
+        default=False,
+        metadata={
+            "help": "MoE models (Qwen3-MoE): the colocated vLLM-CPU engine records which experts its routers chose for "
+            "each token, and the trainer's routers take those experts in every log-prob forward (their logits still "
+            "get the gradient), so each token's log-prob goes through the experts that sampled it. Logged per step: "
+            "routing/differs (the share of token-layer choices where the trainer's own router chose other experts) "
+            "and routing/unrecorded_tokens (tokens that kept the trainer's choice). Under the exact profile the "
+            "routers already agree (routing/differs 0)."
+        },
+    )
     roundalign_reuse_sampler_logps: bool = field(
         default=True,
         metadata={

@@ -33,7 +33,7 @@ from ..engine.prefill import model_context_length, prefill_alone_engine_kwargs
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EnginePlan", "decide_gemm_schedule", "plan_engine"]
+__all__ = ["EnginePlan", "decide_gemm_schedule", "engine_awake", "plan_engine", "rng_untouched"]
 
 
 @dataclass
@@ -107,6 +107,10 @@ def plan_engine(model, args) -> EnginePlan:
 
         kwargs.setdefault("scheduler_cls", RECORDING_SCHEDULER)
         prefill_alone_engine_kwargs(kwargs, plan.max_model_len, config)
+    if getattr(args, "roundalign_routing_replay", False):  # the engine records its routers' choices (`engine.routes`)
+        from ..engine.routes import RECORD_ROUTES_KEY
+
+        kwargs["additional_config"] = {**dict(kwargs.get("additional_config") or {}), RECORD_ROUTES_KEY: True}
     if cpu:  # before the engine loads: its linears (our dispatcher) take the decided schedule
         plan.gemm_schedule, plan.gemm_report = decide_gemm_schedule(config, args, kwargs, plan.max_model_len)
         if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
@@ -179,3 +183,31 @@ def _engine_options(extra: dict | None):
         yield
     finally:
         vg.LLM = original
+
+
+@contextlib.contextmanager
+def engine_awake(trainer):
+    """A colocated engine with `vllm_enable_sleep_mode` (GPU only; refused on CPU) is put to sleep by TRL as soon as it
+    is built, at level 2 (weights discarded); the start-up check generates with it, which a sleeping engine would only
+    queue. Push the policy's weights (TRL's sync wakes them), wake the KV cache, and put it back to sleep after."""
+    gen = getattr(trainer, "vllm_generation", None)
+    if gen is None or gen.mode != "colocate" or not getattr(gen, "enable_sleep_mode", False):
+        yield
+        return
+    gen.sync_weights()
+    gen.llm.wake_up(tags=["kv_cache"])
+    try:
+        yield
+    finally:
+        gen.llm.sleep(level=2)
+        gen._llm_weights_sleeping = True  # TRL pushes the weights again before its first generation
+
+
+@contextlib.contextmanager
+def rng_untouched():
+    """Restore torch's CPU random state (and the current CUDA device's, once CUDA is in use) on exit."""
+    import torch
+
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        yield

@@ -39,13 +39,14 @@ from ..patching import apply_roundalign, get_patch_report, restore_fp32_rope_fre
 from ..profiles import is_exact
 from .callbacks import MismatchCallback
 from .config import RoundAlignGRPOConfig
-from .engine_plan import plan_engine
+from .engine_plan import engine_awake, plan_engine, rng_untouched
 from .logprobs import install as install_sampler_logprobs
 from .logprobs import sampler_logprobs
 from .logprobs import supports as logprobs_supports
 from .masters import MasterWeightsOptimizer, aligned_fsdp2_policy, distributed_precision, noop_comm_hook
 from .old_logps import OLD_FROM_SAMPLER_KEY, OLD_FROM_SAMPLER_METRIC, reuses_sampler_logps, sampler_old_logps
 from .options import check_dtypes, check_options
+from .routing import ROUTES_KEY, install_routing_replay
 from .unreproduced import (
     CUTS_KEY,
     REPREFILL_KEY,
@@ -86,32 +87,6 @@ def check_trl_internals(cls=GRPOTrainer) -> None:
             )
 
 
-@contextlib.contextmanager
-def _engine_awake(trainer):
-    """A colocated engine with `vllm_enable_sleep_mode` (GPU only; refused on CPU) is put to sleep by TRL as soon as it
-    is built, at level 2 (weights discarded); the start-up check generates with it, which a sleeping engine would only
-    queue. Push the policy's weights (TRL's sync wakes them), wake the KV cache, and put it back to sleep after."""
-    gen = getattr(trainer, "vllm_generation", None)
-    if gen is None or gen.mode != "colocate" or not getattr(gen, "enable_sleep_mode", False):
-        yield
-        return
-    gen.sync_weights()
-    gen.llm.wake_up(tags=["kv_cache"])
-    try:
-        yield
-    finally:
-        gen.llm.sleep(level=2)
-        gen._llm_weights_sleeping = True  # TRL pushes the weights again before its first generation
-
-
-@contextlib.contextmanager
-def _rng_untouched():
-    """Restore torch's CPU random state (and the current CUDA device's, once CUDA is in use) on exit."""
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-    with torch.random.fork_rng(devices=devices):
-        yield
-
-
 class RoundAlignGRPOTrainer(GRPOTrainer):
     """GRPO with rounding alignment; accepts exactly what `trl.GRPOTrainer` accepts.
 
@@ -133,6 +108,7 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
         self._roundalign_horizon = None  # exact mode's prompt limit (`startup_check.PromptHorizon`), set at start-up
         self._roundalign_schedule = None  # exact mode's schedule records per generation (`unreproduced.ScheduleCapture`)
         self._roundalign_reprefill = (None, None)  # the batch's re-prefill points and cuts while its log-probs are computed
+        self._roundalign_routing = None  # routing replay (`trainer.routing`), with `roundalign_routing_replay`
         self._roundalign_generating = False
         # Exact mode's stand-in for TRL's old log-probs (`old_logps`): the sampler's log-probs, then whether they stood in
         self._roundalign_stand_in, self._roundalign_old_from_sampler = None, None
@@ -196,10 +172,12 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
                 self._roundalign_schedule = capture_schedules(
                     self.vllm_generation, self.accelerator, stop=args.roundalign_stop_on_unreproduced,
                     server=getattr(self, "_roundalign_server", None))
+            if args.roundalign_routing_replay:
+                self._roundalign_routing = install_routing_replay(self)
             if args.roundalign_verify_profile:
                 # Scoring the engine runs it and the policy: neither may move the random state the first generation
                 # samples from, or turning alignment on would change what is sampled from step 1 on.
-                with _rng_untouched(), _engine_awake(self):
+                with rng_untouched(), engine_awake(self):
                     self.roundalign_verification = self._verify_profile()
         except BaseException:
             self.close()  # the colocated engine is built by now; a failed trainer must not keep it
@@ -598,6 +576,8 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
             self._roundalign_old_from_sampler = old is not None
             if old is not None:
                 return old, None, None
+        if self._roundalign_routing is not None:  # the engine's experts for these rows (`trainer.routing`)
+            self._roundalign_routing.hold(input_ids, attention_mask, int(logits_to_keep), self._roundalign_generating)
         reprefill, cuts = self._schedule_of(input_ids.shape[0], int(logits_to_keep))
         main_cuts = None if cuts is None else [row_cuts(cuts, r, 0) for r in range(input_ids.shape[0])]
         out = self._logps_in_form(model, input_ids, attention_mask, logits_to_keep, *args, cuts=main_cuts, **kwargs)
@@ -647,11 +627,15 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
         capture = self._roundalign_schedule
         if capture is not None:
             capture.reset()
+        if self._roundalign_routing is not None:
+            self._roundalign_routing.before_generation()
         self._roundalign_generating = True
         try:
             out = super()._generate_and_score_completions(inputs)
         finally:
             self._roundalign_generating = False
+        if self._roundalign_routing is not None:
+            self._roundalign_routing.annotate(out)
         stood_in, self._roundalign_old_from_sampler = self._roundalign_old_from_sampler, None
         if stood_in:
             out[OLD_FROM_SAMPLER_KEY] = torch.ones(len(out["completion_mask"]), device=out["completion_mask"].device)
@@ -682,11 +666,15 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
         self._roundalign_capture = want and own
         self._roundalign_captured = None
         self._roundalign_reprefill = (inputs.get(REPREFILL_KEY), inputs.get(CUTS_KEY))
+        if self._roundalign_routing is not None:
+            self._roundalign_routing.pending = inputs.get(ROUTES_KEY)
         try:
             loss = super()._compute_loss(model, inputs)
         finally:
             self._roundalign_capture = False
             self._roundalign_reprefill = (None, None)
+        if self._roundalign_routing is not None and self.model.training:
+            self._roundalign_routing.log(self._metrics["train"])
         if want:
             train_logps = self._roundalign_captured if own else inputs.get("old_per_token_logps")
             mask = inputs["completion_mask"]

@@ -116,6 +116,11 @@ def check_options(model, args) -> None:
         )
     config = _config_of(model)
     model_type = getattr(config, "model_type", None)
+    if getattr(args, "roundalign_routing_replay", False):
+        from .routing import routing_replay_refusal
+
+        if (why := routing_replay_refusal(config, args)) is not None:
+            raise ValueError(why)
     if config is not None and getattr(config, "vision_config", None) is not None:
         raise ValueError(
             f"{model_type} is a vision-language checkpoint: the package aligns text-only decoders (docs/families.md). "

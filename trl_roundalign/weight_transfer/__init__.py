@@ -57,6 +57,9 @@ def register() -> None:
     from ..engine.prefill import install_prefill_alone
 
     install_prefill_alone()
+    from ..engine.routes import install_route_recording
+
+    install_route_recording()
     from ..engine.moe_sync import install_moe_weight_sync_fix
 
     install_moe_weight_sync_fix()

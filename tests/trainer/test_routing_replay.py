@@ -1,0 +1,84 @@
+"""Routing replay (`roundalign_routing_replay=True`, `trainer.routing`): the colocated vLLM-CPU engine records which
+experts its routers chose for each token (`engine.routes`), and the trainer's routers take them in every log-prob
+forward (`ops.routing`). Refusals are one line, before anything loads. The GRPO runs (make test-full) are
+`scripts/routing_replay.py`'s, whose answer on the AVX2 kind is committed (docs/results/avx2/routing-replay.txt):
+recording leaves the engine's samples bit for bit as they were, every completion token's routes are recorded, and
+under the exact profile (AVX2 kernels only) the trainer's own routers already agree with the replayed ones
+(routing/differs 0) and every token stays bit-identical to the sampler.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from trl_roundalign import RoundAlignGRPOConfig
+from trl_roundalign.local_models import peaked_qwen3_moe, tiny_model
+from trl_roundalign.trainer.options import check_options
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _args(tmp_path, **kw):
+    base = dict(output_dir=str(tmp_path), use_vllm=True, vllm_mode="colocate", report_to="none", use_cpu=True,
+                bf16=True, roundalign_routing_replay=True)  # fmt: skip
+    base.update(kw)
+    return RoundAlignGRPOConfig(**base)
+
+
+def _refusal(model, args) -> str:
+    with pytest.raises(ValueError) as err:
+        check_options(model, args)
+    msg = str(err.value)
+    assert "\n" not in msg and "roundalign_routing_replay" in msg, msg
+    return msg
+
+
+def test_a_dense_model_is_refused_in_one_line(tmp_path):
+    assert "has no experts" in _refusal(str(tiny_model("qwen3")), _args(tmp_path))
+
+
+def test_server_mode_is_refused_in_one_line(tmp_path):
+    msg = _refusal(str(peaked_qwen3_moe()), _args(tmp_path, vllm_mode="server"))
+    assert "Use vllm_mode='colocate'" in msg
+
+
+def test_an_moe_model_in_colocate_mode_is_accepted(tmp_path):
+    check_options(str(peaked_qwen3_moe()), _args(tmp_path))
+
+
+def _exact_moe_here() -> bool:
+    from trl_roundalign.engine import vllm_cpu_kernel_library
+    from trl_roundalign.models.qwen3_moe import EXACT_KERNEL_LIBRARY
+
+    return vllm_cpu_kernel_library() == EXACT_KERNEL_LIBRARY
+
+
+@pytest.mark.vllm
+@pytest.mark.full  # two GRPO runs of two steps, a fresh process each (~2 min on the AVX2 kind)
+def test_grpo_with_routing_replay_samples_the_same_and_records_every_token(tmp_path):
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import routing_replay
+
+    # Exact needs vLLM-CPU's AVX2 kernels for the MoE (refused on the others, docs/families.md): there replay must
+    # change nothing (the routers agree) and keep every token bit-identical; elsewhere the default profile.
+    base = "exact" if _exact_moe_here() else "default"
+    results = {r["condition"]: r for r in routing_replay.run([base, base + "+replay"], 2, 32, tmp_path)}
+    replay = results[base + "+replay"]
+    assert replay["same_samples"] is True  # recording changed neither the sampled tokens nor their log-probs
+    for step in replay["steps"]:
+        assert step["routing/unrecorded_tokens"] == 0, step
+        assert step["routing/differs"] is not None and 0 <= step["routing/differs"] < 1, step
+        if base == "exact":
+            assert step["routing/differs"] == 0, step
+            assert step["mismatch/frac_bitwise_equal"] == 1.0 and step["mismatch/kl_k3"] == 0, step
+    if base == "exact":
+        assert all(s["mismatch/frac_bitwise_equal"] == 1.0 for s in results["exact"]["steps"])
+
+
+def test_tensor_parallel_engines_are_refused_in_one_line(tmp_path):
+    msg = _refusal(str(peaked_qwen3_moe()), _args(tmp_path, vllm_tensor_parallel_size=2))
+    assert "Set vllm_tensor_parallel_size=1" in msg
