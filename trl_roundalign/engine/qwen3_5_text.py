@@ -23,8 +23,12 @@ The checkpoint names are transformers' `Qwen3_5ForCausalLM`'s (`model.layers.N.l
 `model.language_model.` prefix, as in text weights cut from a VL checkpoint, is stripped). The class is registered
 under the architecture name `Qwen3_5ForCausalLM` by `trl_roundalign.weight_transfer.register()` (vLLM's general
 plugin), by string path, so this module is imported only where vLLM resolves that architecture. Text only: no
-multimodal inputs, no MTP (speculative) weights, no MoE (`Qwen3_5MoeForCausalLM` is not overridden), no pipeline
-stages beyond what `Qwen3NextModel.forward` does.
+multimodal inputs, no MTP (speculative) weights, no pipeline stages beyond what `Qwen3NextModel.forward` does.
+
+Qwen3.5-MoE (`Qwen3_5MoeForCausalLM`, model_type `qwen3_5_moe_text`) is the same model with vLLM's
+`qwen3_next.Qwen3NextSparseMoeBlock` (routed experts in vLLM's fused MoE, a sigmoid-gated shared expert) in place of
+every dense MLP, as vLLM's `qwen3_5.py` builds it; `Qwen35TextMoeForCausalLM` adds vLLM's MoE bookkeeping
+(`QwenNextMixtureOfExperts`). The shared expert is never fused into the routed ones here (that fusion is ROCm AITER's).
 """
 
 from __future__ import annotations
@@ -47,7 +51,13 @@ from vllm.model_executor.layers.mamba.mamba_utils import (
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid, SupportsMRoPE, SupportsPP
 from vllm.model_executor.models.qwen2_moe import Qwen2MoeMLP
-from vllm.model_executor.models.qwen3_next import Qwen3NextAttention, Qwen3NextDecoderLayer, Qwen3NextModel
+from vllm.model_executor.models.qwen3_next import (
+    Qwen3NextAttention,
+    Qwen3NextDecoderLayer,
+    Qwen3NextModel,
+    Qwen3NextSparseMoeBlock,
+    QwenNextMixtureOfExperts,
+)
 from vllm.model_executor.models.utils import (
     AutoWeightsLoader,
     PPMissingLayer,
@@ -58,9 +68,14 @@ from vllm.model_executor.models.utils import (
     maybe_prefix,
 )
 
-__all__ = ["ARCHITECTURE", "Qwen35TextDecoderLayer", "Qwen35TextForCausalLM", "Qwen35TextModel"]
+__all__ = [
+    "ARCHITECTURE", "MOE_ARCHITECTURE", "Qwen35TextDecoderLayer", "Qwen35TextForCausalLM", "Qwen35TextModel",
+    "Qwen35TextMoeForCausalLM",
+]
 
 ARCHITECTURE = "Qwen3_5ForCausalLM"
+MOE_ARCHITECTURE = "Qwen3_5MoeForCausalLM"
+MOE_MODEL_TYPE = "qwen3_5_moe_text"
 
 
 class Qwen35TextDecoderLayer(Qwen3NextDecoderLayer):
@@ -76,7 +91,7 @@ class Qwen35TextDecoderLayer(Qwen3NextDecoderLayer):
         self.layer_type = layer_type
         self.layer_idx = extract_layer_index(prefix)
         self.layer_scale = False
-        self.use_attn_reduce_scatter_for_moe = False  # dense MLP: no sequence-parallel MoE
+        self.use_attn_reduce_scatter_for_moe = False  # no sequence-parallel MoE (not on vLLM-CPU)
         if layer_type == "linear_attention":
             self.linear_attn = QwenGatedDeltaNetAttention(
                 config, vllm_config=vllm_config, prefix=f"{prefix}.linear_attn", gqa_interleaved_layout=False
@@ -93,13 +108,21 @@ class Qwen35TextDecoderLayer(Qwen3NextDecoderLayer):
             )
         else:
             raise ValueError(f"Invalid Qwen3.5 layer_type {layer_type!r}")
-        self.mlp = Qwen2MoeMLP(
-            hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
-            hidden_act=config.hidden_act,
-            quant_config=quant_config,
-            prefix=f"{prefix}.mlp",
-        )
+        if config.model_type == MOE_MODEL_TYPE:
+            self.mlp = Qwen3NextSparseMoeBlock(vllm_config=vllm_config, prefix=f"{prefix}.mlp")
+            if self.mlp.is_fused_shared_expert_enabled:
+                raise ValueError(
+                    "Qwen3.5-MoE with the shared expert fused into the routed experts (ROCm AITER) is not supported by "
+                    "trl_roundalign's text-only class: it loads the shared expert on its own."
+                )
+        else:
+            self.mlp = Qwen2MoeMLP(
+                hidden_size=config.hidden_size,
+                intermediate_size=config.intermediate_size,
+                hidden_act=config.hidden_act,
+                quant_config=quant_config,
+                prefix=f"{prefix}.mlp",
+            )
         self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -238,6 +261,18 @@ class Qwen35TextForCausalLM(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE, S
     @classmethod
     def get_mamba_state_copy_func(cls):
         return MambaStateCopyFuncCalculator.gated_delta_net_state_copy_func()
+
+
+class Qwen35TextMoeForCausalLM(Qwen35TextForCausalLM, QwenNextMixtureOfExperts):
+    """`Qwen3_5MoeForCausalLM` for vLLM without the vision-language module: the text class above, whose layers build
+    the sparse MoE block for a `qwen3_5_moe_text` config, with vLLM's MoE bookkeeping (expert counts per layer)."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        model_type = vllm_config.model_config.hf_text_config.model_type
+        if model_type != MOE_MODEL_TYPE:
+            raise ValueError(f"{MOE_ARCHITECTURE} needs a {MOE_MODEL_TYPE} config, got {model_type!r}.")
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self.set_moe_parameters()
 
 
 def _repack_conv_weight(module: nn.Module, loaded: torch.Tensor, name: str) -> None:

@@ -83,7 +83,10 @@ def register() -> None:
 
 
 # Architectures whose vLLM class the package provides (registered by string path: nothing is imported here).
-MODEL_CLASSES = {"Qwen3_5ForCausalLM": "trl_roundalign.engine.qwen3_5_text:Qwen35TextForCausalLM"}
+MODEL_CLASSES = {
+    "Qwen3_5ForCausalLM": "trl_roundalign.engine.qwen3_5_text:Qwen35TextForCausalLM",
+    "Qwen3_5MoeForCausalLM": "trl_roundalign.engine.qwen3_5_text:Qwen35TextMoeForCausalLM",
+}
 
 
 def _register_models() -> None:
