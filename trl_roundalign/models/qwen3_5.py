@@ -178,8 +178,8 @@ def qwen3_5_final_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tenso
     )
 
 
-def check_qwen3_5_config(config) -> None:
-    """Raise `ValueError` for what was not measured against the engine, one line."""
+def check_qwen3_5_config(config, model_type: str = "qwen3_5_text") -> None:
+    """Raise `ValueError` for what was not measured against the engine, one line (`model_type`: the family named)."""
     problems = []
     act = getattr(config, "hidden_act", "silu")
     if act != "silu":
@@ -192,17 +192,17 @@ def check_qwen3_5_config(config) -> None:
     kinds = set(getattr(config, "layer_types", None) or ()) - {"linear_attention", "full_attention"}
     if kinds:
         problems.append(f"layer_types {sorted(kinds)}")
-    refuse_unmeasured("qwen3_5_text", problems, "dense Qwen3.5 text models (gated delta-net and gated full-attention "
-                      "layers, SwiGLU with silu, default RoPE)")
+    refuse_unmeasured(model_type, problems, "Qwen3.5 text models (gated delta-net and gated full-attention layers, "
+                      "SwiGLU with silu, default RoPE)")
 
 
 def check_qwen3_5_structure(backbone: torch.nn.Module, spec: ArchSpec) -> None:
     """Raise `ValueError` naming the first module that lacks what the Qwen3.5 forwards read."""
 
     def need(obj, attrs, path):
-        require_attrs(obj, attrs, path, "qwen3_5_text (transformers 5.19 Qwen3_5ForCausalLM)")
+        require_attrs(obj, attrs, path, f"{spec.model_type} (transformers 5.19 Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM)")
 
-    check_qwen3_5_config(getattr(backbone, "config", None))
+    spec.check_config(getattr(backbone, "config", None))
     need(backbone, ("embed_tokens", "layers", "norm", "rotary_emb"), "model")
     need(backbone.norm, ("weight", "eps"), "model.norm")
     for i, layer in enumerate(backbone.layers):

@@ -36,7 +36,7 @@ from ..ops.routing import replay_of
 from .decoder import _as_forward_of, _state, aligned_mlp_forward
 from .spec import ArchSpec, register_arch
 
-__all__ = ["QWEN3_MOE", "qwen3_moe_exact_unavailable", "qwen3_moe_mlp_forward"]
+__all__ = ["QWEN3_MOE", "aligned_moe_forward", "qwen3_moe_exact_unavailable", "qwen3_moe_mlp_forward"]
 
 # The exact form's scope: the kernel library whose fused-MoE kernel was reproduced bit for bit (module docstring).
 EXACT_KERNEL_LIBRARY = "_C_AVX2"
@@ -156,8 +156,9 @@ def _router_weights_at(logits: torch.Tensor, idx: torch.Tensor, renormalize: boo
     return torch.exp(lf.gather(-1, idx) - torch.logsumexp(lf, dim=-1, keepdim=True))
 
 
-def aligned_moe_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    """`Qwen3MoeSparseMoeBlock.forward` with the engine's rounding structure (module docstring).
+def aligned_moe_forward(self, hidden_states: torch.Tensor, renormalize: bool | None = None) -> torch.Tensor:
+    """`Qwen3MoeSparseMoeBlock.forward` with the engine's rounding structure (module docstring); `renormalize` (the
+    softmax over the top k) is the router's `norm_topk_prob` unless the family fixes it (Qwen3.5-MoE: always).
 
     The router and the experts are each read inside a call of their own module (the router's own forward gives the
     logits, which transformers records for the load-balancing loss), so module hooks (ZeRO-3's gathering, output
@@ -165,23 +166,20 @@ def aligned_moe_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     shape = hidden_states.shape
     x = hidden_states.reshape(-1, shape[-1])
     gate = self.gate
+    renorm = gate.norm_topk_prob if renormalize is None else renormalize
     logits = gate(x)[0]
     state = self.__dict__.get("_roundalign")  # None: called directly on an unpatched block (the fp32 form)
     exact = state is not None and state.profile.reduction == "inductor-cpu"
     if exact:
-        weights, idx = _exact_router(logits.detach(), gate.top_k, gate.norm_topk_prob)
+        weights, idx = _exact_router(logits.detach(), gate.top_k, renorm)
         # The engine's values, with the fp32 formula's gradient (the router learns as under the fp32 form).
-        lf = logits.float()
-        if gate.norm_topk_prob:
-            differentiable = torch.softmax(lf.gather(-1, idx), dim=-1)
-        else:
-            differentiable = torch.exp(lf.gather(-1, idx) - torch.logsumexp(lf, dim=-1, keepdim=True))
+        differentiable = _router_weights_at(logits, idx, renorm)
         weights = weights + (differentiable - differentiable.detach())
     else:
-        weights, idx = _router_weights(logits, gate.top_k, gate.norm_topk_prob)
+        weights, idx = _router_weights(logits, gate.top_k, renorm)
     if (replay := replay_of(gate)) is not None:  # routing replay: the engine's experts (`ops.routing`)
         replayed = replay.indices(gate, idx, count=False)
-        at = _router_weights_at(logits, replayed, gate.norm_topk_prob)
+        at = _router_weights_at(logits, replayed, renorm)
         same = torch.eq(replayed, idx).all(-1, keepdim=True)  # the same experts in the same slots: values kept
         weights, idx = torch.where(same, weights, at), replayed
     out = _as_forward_of(self.experts, functools.partial(_experts_forward, self.experts, exact=exact), x, idx, weights)

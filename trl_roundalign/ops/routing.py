@@ -119,7 +119,7 @@ class RoutingReplay:
 
 
 def _replayed_gate_forward(gate, replay: RoutingReplay):
-    """transformers' `Qwen3MoeTopKRouter.forward` with the replayed indices (module docstring)."""
+    """transformers' `Qwen3MoeTopKRouter.forward` (or Qwen3.5-MoE's) with the replayed indices (module docstring)."""
     original = type(gate).forward
 
     def forward(hidden_states):
@@ -130,7 +130,8 @@ def _replayed_gate_forward(gate, replay: RoutingReplay):
         probs = torch.softmax(logits, dtype=torch.float, dim=-1)
         idx = replay.indices(gate, torch.topk(probs, gate.top_k, dim=-1).indices)
         top = probs.gather(-1, idx)
-        if gate.norm_topk_prob:
+        # Qwen3.5-MoE's router (transformers' Qwen3_5MoeTopKRouter) has no `norm_topk_prob`: it always renormalizes.
+        if getattr(gate, "norm_topk_prob", True):
             top = top / top.sum(dim=-1, keepdim=True)
         return logits, top.to(logits.dtype), idx
 

@@ -27,7 +27,7 @@ def routing_replay_refusal(config, args) -> str | None:
     """Why `roundalign_routing_replay=True` cannot run for this model and configuration, or None."""
     if config is not None and not getattr(config, "num_experts", None):
         return (f"roundalign_routing_replay=True: {getattr(config, 'model_type', 'this model')} has no experts; "
-                "routing replay is for MoE models (Qwen3-MoE). Turn it off.")
+                "routing replay is for MoE models (Qwen3-MoE, Qwen3.5-MoE). Turn it off.")
     if not (args.use_vllm and args.vllm_mode == "colocate"):
         return ("roundalign_routing_replay=True records the engine's routes in a colocated engine; server mode does "
                 "not return them yet. Use vllm_mode='colocate', or turn routing replay off.")
