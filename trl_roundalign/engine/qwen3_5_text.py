@@ -20,15 +20,15 @@ What it composes (vLLM's own public building blocks, imported, not copied; the n
   delta-net.
 
 The checkpoint names are transformers' `Qwen3_5ForCausalLM`'s (`model.layers.N.linear_attn.in_proj_qkv`, ...; a
-`model.language_model.` prefix, as in text weights cut from a VL checkpoint, is stripped). The class is registered
-under the architecture name `Qwen3_5ForCausalLM` by `trl_roundalign.weight_transfer.register()` (vLLM's general
-plugin), by string path, so this module is imported only where vLLM resolves that architecture. Text only: no
+`model.language_model.` prefix, as in text weights cut from a VL checkpoint, is stripped). The classes are registered
+under the architecture names `Qwen3_5ForCausalLM` and `Qwen3_5MoeForCausalLM` by `trl_roundalign.weight_transfer.register()`
+(vLLM's general plugin), by string path, so this module is imported only where vLLM resolves one of them. Text only: no
 multimodal inputs, no MTP (speculative) weights, no pipeline stages beyond what `Qwen3NextModel.forward` does.
 
 Qwen3.5-MoE (`Qwen3_5MoeForCausalLM`, model_type `qwen3_5_moe_text`) is the same model with vLLM's
 `qwen3_next.Qwen3NextSparseMoeBlock` (routed experts in vLLM's fused MoE, a sigmoid-gated shared expert) in place of
 every dense MLP, as vLLM's `qwen3_5.py` builds it; `Qwen35TextMoeForCausalLM` adds vLLM's MoE bookkeeping
-(`QwenNextMixtureOfExperts`). The shared expert is never fused into the routed ones here (that fusion is ROCm AITER's).
+(`QwenNextMixtureOfExperts`). A shared expert fused into the routed ones (ROCm AITER's option) is refused.
 """
 
 from __future__ import annotations
