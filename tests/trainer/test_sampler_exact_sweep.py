@@ -163,6 +163,24 @@ def test_gated_delta_net_model_is_the_samplers(tmp_path):
         assert h["mismatch/unreproduced_tokens"] == 0, h
 
 
+@pytest.mark.full  # ~2 min on the AVX2 kind
+def test_gated_delta_net_model_at_2048_token_completions(tmp_path):
+    """The hybrid Qwen3.5 with completions of 2,048 tokens (EOS ignored): each sampled token's gated delta-net state
+    carried through 2,048 recurrent decode steps, and the full-attention layer past many key tiles; every completion
+    token bit for bit the sampler's (measured in bench/results/cpu-avx2/qwen3_5-2048/bench_step.json too, with its
+    cost against default BF16)."""
+    from trl_roundalign.local_models import tiny_qwen3_5
+
+    model = tiny_qwen3_5(max_position_embeddings=4096)
+    skip_where_gated_delta_net_is_refused(model)
+    _, logs = run(tmp_path, prompts_per_step=1, completions=2, stop=False, seed=5, length=2048, steps=1,
+                  ignore_eos=True, model=model)
+    h = logs[-1]
+    assert h["completions/max_length"] == 2048, h
+    assert h["mismatch/frac_bitwise_equal"] == 1.0 and h["mismatch/kl_k3"] == 0.0, h
+    assert h["mismatch/unreproduced_tokens"] == 0, h
+
+
 @pytest.mark.full
 def test_gated_delta_net_model_after_long_prompts(tmp_path):
     """The hybrid Qwen3.5 after prompts of about 700 and 1,100 tokens, each twice (a GRPO group): vLLM cuts a hybrid
