@@ -146,3 +146,13 @@ def test_exact_mode_is_bit_identical_to_the_engines_prefill_through_analyze(tmp_
         return
     assert stats["exact"]["mismatch/frac_bitwise_equal"] == 1.0, stats["exact"]
     assert stats["exact"]["mismatch/abs_logp_diff/max"] == 0.0
+
+
+def test_a_block_without_a_shared_expert_is_refused_in_one_line():
+    from transformers import Qwen3_5MoeTextConfig
+
+    from trl_roundalign.models import ARCH_SPECS
+
+    with pytest.raises(ValueError, match="shared_expert_intermediate_size=0") as e:
+        ARCH_SPECS["qwen3_5_moe_text"].check_config(Qwen3_5MoeTextConfig(shared_expert_intermediate_size=0))
+    assert "\n" not in str(e.value)

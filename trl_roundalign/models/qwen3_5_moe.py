@@ -38,7 +38,7 @@ from ..ops._common import inductor_exp
 from .decoder import _state
 from .qwen3_5 import QWEN3_5, check_qwen3_5_config, qwen3_5_exact_unavailable, qwen3_5_linear_shapes
 from .qwen3_moe import aligned_moe_forward, qwen3_moe_exact_unavailable
-from .spec import register_arch, require_attrs
+from .spec import refuse_unmeasured, register_arch, require_attrs
 
 __all__ = ["QWEN3_5_MOE", "qwen3_5_moe_exact_unavailable", "qwen3_5_moe_mlp_forward"]
 
@@ -68,8 +68,12 @@ def qwen3_5_moe_mlp_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
 
 
 def check_qwen3_5_moe_config(config) -> None:
-    """Qwen3.5's refusals (activation, RoPE scaling, layer_scale, layer kinds), for this family."""
+    """Qwen3.5's refusals (activation, RoPE scaling, layer_scale, layer kinds), for this family, and a block without a
+    shared expert (vLLM then builds none; not measured)."""
     check_qwen3_5_config(config, model_type="qwen3_5_moe_text")
+    shared = getattr(config, "shared_expert_intermediate_size", None)
+    refuse_unmeasured("qwen3_5_moe_text", [] if shared and shared > 0 else [f"shared_expert_intermediate_size={shared}"],
+                      "Qwen3.5-MoE text models with a shared expert")
 
 
 def check_qwen3_5_moe_mlp(mlp, path: str) -> None:
