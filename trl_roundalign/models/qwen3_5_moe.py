@@ -62,7 +62,7 @@ def qwen3_5_moe_mlp_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     shared = se.down_proj(ops.swiglu(se.gate_proj(x), se.up_proj(x), profile=st.profile, backend=st.backend))
     g = self.shared_expert_gate(x).float()
     gate = (1.0 / (inductor_exp(-g) + 1.0)).to(shared.dtype)
-    routed = aligned_moe_forward(self, x, renormalize=True)
+    routed = aligned_moe_forward(self, x)  # its router renormalises (`ops.routing.router_renormalizes`)
     out = (gate.float() * shared.float() + routed.float()).reshape(shape)
     return out if "rmsnorm" in st.regions and st.profile.residual == "fp32" else out.to(hidden_states.dtype)
 

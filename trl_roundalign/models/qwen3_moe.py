@@ -32,7 +32,7 @@ import functools
 
 import torch
 
-from ..ops.routing import replay_of
+from ..ops.routing import replay_of, router_renormalizes
 from .decoder import _as_forward_of, _state, aligned_mlp_forward
 from .spec import ArchSpec, register_arch
 
@@ -156,9 +156,9 @@ def _router_weights_at(logits: torch.Tensor, idx: torch.Tensor, renormalize: boo
     return torch.exp(lf.gather(-1, idx) - torch.logsumexp(lf, dim=-1, keepdim=True))
 
 
-def aligned_moe_forward(self, hidden_states: torch.Tensor, renormalize: bool | None = None) -> torch.Tensor:
-    """`Qwen3MoeSparseMoeBlock.forward` with the engine's rounding structure (module docstring); `renormalize` (the
-    softmax over the top k) is the router's `norm_topk_prob` unless the family fixes it (Qwen3.5-MoE: always).
+def aligned_moe_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """`Qwen3MoeSparseMoeBlock.forward` with the engine's rounding structure (module docstring); whether the router
+    renormalises over the top k is `ops.routing.router_renormalizes` (Qwen3-MoE's `norm_topk_prob`; Qwen3.5-MoE: always).
 
     The router and the experts are each read inside a call of their own module (the router's own forward gives the
     logits, which transformers records for the load-balancing loss), so module hooks (ZeRO-3's gathering, output
@@ -166,7 +166,7 @@ def aligned_moe_forward(self, hidden_states: torch.Tensor, renormalize: bool | N
     shape = hidden_states.shape
     x = hidden_states.reshape(-1, shape[-1])
     gate = self.gate
-    renorm = gate.norm_topk_prob if renormalize is None else renormalize
+    renorm = router_renormalizes(gate)
     logits = gate(x)[0]
     state = self.__dict__.get("_roundalign")  # None: called directly on an unpatched block (the fp32 form)
     exact = state is not None and state.profile.reduction == "inductor-cpu"

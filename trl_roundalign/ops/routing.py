@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["RoutingReplay", "replay_of"]
+__all__ = ["RoutingReplay", "replay_of", "router_renormalizes"]
 
 # Each bound router's replay and its column in the routes (`RoutingReplay.install`).
 _BOUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -118,6 +118,13 @@ class RoutingReplay:
         return torch.where(recorded[:, None], routes.long().clamp_min(0), own)
 
 
+def router_renormalizes(gate) -> bool:
+    """Whether a transformers MoE router's top-k weights are a softmax over the top k (renormalised): its
+    `norm_topk_prob` (Qwen3-MoE), or always where the router has none (Qwen3.5-MoE's `Qwen3_5MoeTopKRouter`; vLLM reads
+    the absent config field as true too)."""
+    return bool(getattr(gate, "norm_topk_prob", True))
+
+
 def _replayed_gate_forward(gate, replay: RoutingReplay):
     """transformers' `Qwen3MoeTopKRouter.forward` (or Qwen3.5-MoE's) with the replayed indices (module docstring)."""
     original = type(gate).forward
@@ -130,8 +137,7 @@ def _replayed_gate_forward(gate, replay: RoutingReplay):
         probs = torch.softmax(logits, dtype=torch.float, dim=-1)
         idx = replay.indices(gate, torch.topk(probs, gate.top_k, dim=-1).indices)
         top = probs.gather(-1, idx)
-        # Qwen3.5-MoE's router (transformers' Qwen3_5MoeTopKRouter) has no `norm_topk_prob`: it always renormalizes.
-        if getattr(gate, "norm_topk_prob", True):
+        if router_renormalizes(gate):
             top = top / top.sum(dim=-1, keepdim=True)
         return logits, top.to(logits.dtype), idx
 
