@@ -53,3 +53,31 @@ def report(out: str, rank: int, result: dict, started: float, wait_s: float = 15
     deadline = time.monotonic() + wait_s
     while not os.path.exists(os.path.join(out, f"rank{1 - rank}.json")) and time.monotonic() < deadline:
         time.sleep(0.2)
+
+
+ROOT = Path(__file__).resolve().parents[2]
+FSDP_CPU_SHIM = ROOT / "tests" / "trainer" / "fsdp_cpu_shim"
+
+
+def accelerate_launch_two(script: Path, out: Path, *argv: str, config: str, timeout: float = 900,
+                          **extra: str) -> list[dict]:
+    """`script` as two processes under `accelerate launch --config_file recipes/accelerate_configs/<config>` on CPU
+    (gloo), with the test-only shim on their PYTHONPATH (accelerate's FSDP / DeepSpeed branch on a CPU, see
+    `tests/trainer/fsdp_cpu_shim`), on a rendezvous port the kernel has just handed out; what each rank reported
+    (`report`)."""
+    path = os.pathsep.join(p for p in (str(FSDP_CPU_SHIM), os.environ.get("PYTHONPATH", "")) if p)
+    env = subprocess_env(ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", PYTHONPATH=path, **extra)
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+        str(ROOT / "recipes" / "accelerate_configs" / config), "--num_processes", "2",
+        "--main_process_port", str(free_port()), str(script), str(out), *argv,
+    ]  # fmt: skip
+    if config == "fsdp2.yaml":  # the recipe gathers a FULL_STATE_DICT at save; these runs do not save
+        cmd[5:5] = ["--fsdp_state_dict_type", "SHARDED_STATE_DICT"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    results = []
+    for r in (0, 1):
+        path = out / f"rank{r}.json"
+        assert path.exists(), f"rc {proc.returncode}\n" + proc.stdout[-3000:] + proc.stderr[-6000:]
+        results.append(json.loads(path.read_text()))
+    return results

@@ -1,5 +1,5 @@
-"""Run by test_server_exact.py as one of two training processes (RANK, WORLD_SIZE, MASTER_* set by the test, plain
-data parallelism on gloo) against one `trl-roundalign serve --exact` server: `<out> <server url> <model> <group port>`.
+"""Run by test_server_exact.py as one of two training processes (RANK, WORLD_SIZE, MASTER_* set by the test for plain
+data parallelism on gloo, or by `accelerate launch` with the FSDP2 or ZeRO-3 recipe) against one `trl-roundalign serve --exact` server: `<out> <server url> <model> <group port>`.
 
 Two exact GRPO steps; each process reports the start-up check's verdict, the merged per-step metrics it logged, the
 schedule records it was handed, and the weight comparison after a final sync (every process takes part).
@@ -32,6 +32,7 @@ try:
     weights = trainer.roundalign_verify_server_weights()
     result = {
         "processes": trainer.accelerator.num_processes, "profile": trainer.roundalign_profile,
+        "distributed_type": trainer.accelerator.distributed_type.name,
         "verdict": ver.verdict, "sampler_bitwise": ver.sampler_bitwise, "sampler_tokens": ver.sampler_tokens,
         "steps": [{k: v for k, v in h.items() if k.startswith(("mismatch/", "schedule/")) or k == "step"}
                   for h in trainer.state.log_history if "mismatch/tokens" in h],

@@ -202,22 +202,37 @@ def test_a_server_restarted_under_a_running_trainer_stops_the_run(tmp_path):
             srv.stop()
 
 
-@pytest.mark.full  # two training processes and a server on 2 cores: about 8 min on AMD AVX2 (make test-full)
-def test_two_training_processes_against_one_server_are_bit_identical_to_its_sampler(exact_server, tmp_path):
-    """Two data-parallel training processes against one `--exact` server: the main process's client generates every
-    completion with its record, the records are handed to both processes, each reproduces its slice; every completion
-    token of both steps is the sampler's, bit for bit (the metrics merged over the processes), and after a final sync
-    the server's weights are the trainer's on both."""
+# How the two training processes are launched: plain data parallelism (DDP on gloo), and accelerate's FSDP2 and ZeRO-3
+# recipes (`recipes/accelerate_configs/`, on a CPU through the test-only shim, as tests/trainer/test_sharded_grpo.py).
+LAUNCHERS = {
+    "ddp": {},
+    "fsdp2": {"config": "fsdp2.yaml"},
+    "zero3": {"config": "zero3.yaml", "DS_ACCELERATOR": "cpu", "ROUNDALIGN_SHIM_DS": "1"},
+}
+
+
+@pytest.mark.full  # two training processes and a server on 2 cores: about 8 min each on AMD AVX2 (make test-full)
+@pytest.mark.parametrize("launcher", list(LAUNCHERS))
+def test_two_training_processes_against_one_server_are_bit_identical_to_its_sampler(exact_server, tmp_path, launcher):
+    """Two training processes against one `--exact` server, launched as plain data parallelism, or with accelerate's
+    FSDP2 or ZeRO-3 recipe: the main process's client generates every completion with its record, the records are
+    handed to both processes, each reproduces its slice; every completion token of both steps is the sampler's, bit for
+    bit (the metrics merged over the processes), and after a final sync the server's weights are the trainer's on both
+    (a sharded parameter gathered whole, FSDP2's fp32 masters compared as the bf16 image the engine loads)."""
     from pathlib import Path
 
-    from helpers.ranks import run_two_ranks
+    from helpers.ranks import accelerate_launch_two, run_two_ranks
 
     script = Path(__file__).with_name("server_exact_ranks_run.py")
-    ranks = run_two_ranks(script, tmp_path, exact_server.url, str(tiny_model("qwen3", **EXACT_MODEL)), str(free_port()),
-                          timeout=1500)
+    argv = (exact_server.url, str(tiny_model("qwen3", **EXACT_MODEL)), str(free_port()))
+    if launcher == "ddp":
+        ranks = run_two_ranks(script, tmp_path, *argv, timeout=1500)
+    else:
+        ranks = accelerate_launch_two(script, tmp_path, *argv, timeout=1500, **LAUNCHERS[launcher])
     for r, result in enumerate(ranks):
         print(f"rank {r}:", {k: v for k, v in result.items() if k != "steps"})
         assert result["processes"] == 2 and result["profile"] == "vllm-compiled-exact", result
+        assert result["distributed_type"] == {"ddp": "MULTI_CPU", "fsdp2": "FSDP", "zero3": "DEEPSPEED"}[launcher], result
         assert result["verdict"] == "ok" and result["sampler_bitwise"] == 1.0, result
         assert (result["engine"] is not None) == (r == 0), result  # the main process's client generates
         assert result["weights_equal"], result

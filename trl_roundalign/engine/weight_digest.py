@@ -91,25 +91,52 @@ def _slices(model) -> tuple[list[tuple[str, object, int | None, int, int]], list
 
 
 def worker_digests(worker) -> dict:
-    """In a worker of the engine: `{"digests": [[trainer name, dim, start, length, digest], ...], "not_cut": [...]}`
+    """What one worker reports: `digests` (`[trainer name, dim, start, length, digest, dtype]` per slice) and `not_cut`
     for the model it computes with (see the module)."""
     model = worker.model_runner.model
     slices, not_cut = _slices(model)
-    return {"digests": [[n, d, s, k, tensor_digest(t)] for n, t, d, s, k in slices], "not_cut": not_cut}
+    return {"digests": [[n, d, s, k, tensor_digest(t), str(t.dtype)] for n, t, d, s, k in slices], "not_cut": not_cut}
+
+
+def _as_engine_holds(t, dtype: str | None):
+    """The trainer tensor `t` as the engine holds it: an fp32 master (FSDP2's upcast parameters, which TRL pushes as
+    they are) becomes the 16-bit image the engine's loader copies it into (`copy_`, round to nearest even: the bits the
+    policy's bf16 forward computes with too). Any other dtype difference is left to differ."""
+    import torch
+
+    target = {"torch.bfloat16": torch.bfloat16, "torch.float16": torch.float16}.get(dtype)
+    return t.to(target) if target is not None and t.dtype == torch.float32 else t
 
 
 def trainer_digests(model, reported: list[list]) -> dict[tuple, str]:
     """The trainer's digests of the slices the workers `reported`, keyed `(name, dim, start, length)`: every process
-    calls it (a sharded parameter is gathered whole, in the same order on every process)."""
+    calls it, in the same order (a sharded parameter is gathered whole: FSDP2's `full_tensor`, DeepSpeed ZeRO-3's
+    `GatheredParameters`, each a collective)."""
     params = dict(model.named_parameters())
     out = {}
-    for name, dim, start, length, _ in sorted(reported, key=lambda e: (e[0], -1 if e[1] is None else e[1], e[2])):
+    for name, dim, start, length, _, dtype in sorted(reported, key=lambda e: (e[0], -1 if e[1] is None else e[1], e[2])):
         p = params.get(name)
         if p is None:
             continue
-        t = p.full_tensor() if hasattr(p, "full_tensor") else p
-        out[(name, dim, start, length)] = tensor_digest(t if dim is None else t.detach().narrow(dim, start, length))
+        with _gathered(p):
+            t = _as_engine_holds((p.full_tensor() if hasattr(p, "full_tensor") else p).detach(), dtype)
+            out[(name, dim, start, length)] = tensor_digest(t if dim is None else t.narrow(dim, start, length))
     return out
+
+
+def _gathered(p):
+    """A ZeRO-3 partitioned parameter gathered whole for the duration (a no-op for any other parameter)."""
+    import contextlib
+
+    if not hasattr(p, "ds_id"):
+        return contextlib.nullcontext()
+    import deepspeed
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    if p.ds_status == ZeroParamStatus.AVAILABLE:  # gathered by an outer context (nested gathers are refused)
+        return contextlib.nullcontext()
+
+    return deepspeed.zero.GatheredParameters([p], modifier_rank=None)
 
 
 @dataclass
@@ -141,7 +168,7 @@ def compare(model, workers: list[dict]) -> WeightComparison:
     for facts in workers:
         result.not_compared += [f"server: {n}" for n in facts.get("not_cut", [])]
         ours = trainer_digests(model, facts["digests"])
-        for name, dim, start, length, digest in facts["digests"]:
+        for name, dim, start, length, digest, _ in facts["digests"]:
             mine = ours.get((name, dim, start, length))
             reported.add(name)
             if mine is None:

@@ -407,21 +407,26 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
         """Server mode's start-up check (`server_check.ServerCheck.verify`) on the policy computing with the server's
         layout. The server may still hold another run's weights: push the policy's first (every process takes part, as
         before a generation), then score; the first step's generation need not push them again."""
+        from .startup_check import broadcast_main_weights, weights_arrive_at_prepare, zero3_gathered
+
         args = self.args
         check = self._server_check()
         self.roundalign_layout = check.layout()[0]
-        self.vllm_generation.sync_weights()
+        if weights_arrive_at_prepare():  # the other processes hold zeros until accelerate prepares; all of them score
+            broadcast_main_weights(self.model)
+        check.push_weights(self.model)  # TRL's push gathers each ZeRO-3 parameter itself (nested gathers are refused)
         self._last_loaded_step = self.state.global_step
-        self.roundalign_report = self._install_patches()  # the server's row blocks and TP sums on the policy
-        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
-        try:
-            result = check.verify(self.model, tokenizer, profile=self.roundalign_profile, regions=args.roundalign_regions,
-                                  backend=args.roundalign_backend)
-        finally:
-            self.roundalign_report = self._install_patches()
-        if is_exact(self.roundalign_profile):
-            check.verify_weights(self.model, when="start-up, after the first push")
-            check.verify_sampler(self.model, tokenizer, result)
+        with zero3_gathered(self.model):
+            self.roundalign_report = self._install_patches()  # the server's row blocks and TP sums on the policy
+            tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
+            try:
+                result = check.verify(self.model, tokenizer, profile=self.roundalign_profile,
+                                      regions=args.roundalign_regions, backend=args.roundalign_backend)
+            finally:
+                self.roundalign_report = self._install_patches()
+            if is_exact(self.roundalign_profile):
+                check.verify_weights(self.model, when="start-up, after the first push")
+                check.verify_sampler(self.model, tokenizer, result)
         return result
 
     def roundalign_verify_server_weights(self):  # on demand, every process: `ServerCheck.verify_weights`

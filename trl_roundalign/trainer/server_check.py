@@ -103,6 +103,24 @@ class ServerCheck:
         ok = bool(results) and all(isinstance(r, dict) for r in results)
         return (results if ok else None), response.status_code
 
+    def push_weights(self, model) -> None:
+        """The policy's weights to the server before the start-up check; every process takes part. TRL's push walks
+        the prepared model (FSDP2's DTensors); before accelerate prepares an FSDP2 policy its parameters are whole
+        tensors, held by every process (`startup_check.broadcast_main_weights`), so the main process sends them itself,
+        under TRL's names, and TRL's push takes over at the first generation (its tensor list read then, from the
+        prepared model: accelerate's fp32 masters, whose bf16 image is what is sent here)."""
+        generation = self.vllm_generation
+        unprepared_fsdp = getattr(getattr(generation, "_dist", None), "is_fsdp", False) and not any(
+            hasattr(p, "full_tensor") for p in model.parameters())
+        if not unprepared_fsdp:
+            generation.sync_weights()
+            return
+        if self.client is not None:
+            named = [(generation._fix_param_name_to_vllm(n), p.data) for n, p in model.named_parameters()]
+            self.client.update_named_params([(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in named],
+                                            iter(named))
+            self.client.reset_prefix_cache()
+
     def verify_weights(self, model, *, when: str = "on demand"):
         """The server's weights against `model`'s, a digest per tensor (`engine.weight_digest`): every process takes
         part (a sharded parameter is gathered), the main process asks the server's workers. Returns the

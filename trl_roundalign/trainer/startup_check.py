@@ -77,6 +77,20 @@ def weights_arrive_at_prepare() -> bool:
     return bool(is_fsdp_enabled())
 
 
+def broadcast_main_weights(model) -> None:
+    """Process 0's parameters and buffers, in place, on every process (`weights_arrive_at_prepare`: the others hold
+    zeros of the same shapes until accelerate broadcasts them at `prepare`). Server mode's start-up check needs it: every
+    process scores the policy against what the main process's client read from the server."""
+    import itertools
+
+    import torch
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        for t in itertools.chain(model.parameters(), model.buffers()):
+            dist.broadcast(t.data, src=0)
+
+
 def zero3_gathered(model):
     """The whole policy gathered on every process under DeepSpeed ZeRO-3 (a no-op otherwise). With `zero3_init_flag`
     (the ZeRO-3 recipe's setting) the parameters are partitioned as they load, empty until DeepSpeed's hooks gather
