@@ -473,7 +473,21 @@ def measure_batch_invariance(
 
 @functools.lru_cache(maxsize=32)
 def _cached_measure(shapes: tuple, max_rows: int, schedule: GemmSchedule) -> BatchInvarianceReport:
-    return measure_batch_invariance(dict(shapes), max_rows, block_rows=schedule.block_rows, min_rows=schedule.min_rows)
+    """`measure_batch_invariance` of `shapes`, once per process and, on disk, once per machine (`measured`: keyed by
+    the shapes, rows and schedule, this module's source, the CPU, the torch build, its threads and the environment
+    that steers its kernels)."""
+    from dataclasses import asdict
+
+    from ..measured import cached_measurement
+
+    def measure() -> dict:
+        return asdict(measure_batch_invariance(dict(shapes), max_rows, block_rows=schedule.block_rows,
+                                               min_rows=schedule.min_rows))
+
+    key = {"shapes": [[name, list(shape)] for name, shape in shapes], "max_rows": max_rows,
+           "block_rows": schedule.block_rows, "min_rows": schedule.min_rows, "dtype": "bfloat16", "seed": 0}
+    d = cached_measurement("gemm-batch-invariance", key, (__file__,), measure)
+    return BatchInvarianceReport(**{**d, "shapes": [ShapeResult(**{**r, "n": tuple(r["n"])}) for r in d["shapes"]]})
 
 
 def _floor_for(report: BatchInvarianceReport) -> int:
