@@ -61,12 +61,10 @@ def test_the_plain_recipe_is_accepted_without_a_word(tmp_path, qwen3):
         ({"model_init_kwargs": {"dtype": "bfloat16", "quantization_config": {"load_in_8bit": True}}}, "quantized policy"),
         ({"model_init_kwargs": {"dtype": "bfloat16", "attn_implementation": "flex_attention"},
           "roundalign_regions": ["rope", "swiglu", "rmsnorm", "attention"]}, "Load with attn_implementation='sdpa'"),
-        ({"roundalign_regions": ["rope", "swiglu", "rmsnorm", "attention"]},
-         "Set vllm_max_model_length to your longest prompt plus max_completion_length"),
     ],
     ids=["temperature", "logprobs", "n", "sleep-on-cpu", "model-impl", "fp16", "liger", "hub-kernels", "no-vllm", "tp",
          "model-impl-kwargs", "prompt-logprobs", "logprobs-mode", "torch-compile", "neftune", "quantized",
-         "flex-attention-exact", "exact-without-max-model-length"],
+         "flex-attention-exact"],
 )
 def test_options_that_break_alignment_are_refused_in_one_line(tmp_path, qwen3, options, says):
     _refused(qwen3, _args(tmp_path, **options), says)

@@ -345,3 +345,23 @@ def test_lora_mismatch_matrix(tmp_path, closing):
     for condition in _LORA_REGIONS:
         assert table[f"merged/{condition}"] <= table[f"peft/{condition}"], condition
     assert table["merged/exact"] < 1e-8
+
+
+@pytest.mark.full  # an exact trainer with a 40,960-token context, about 2 min on AMD AVX2 (make test-full)
+def test_exact_mode_needs_no_vllm_max_model_length(tmp_path, closing):
+    """With `vllm_max_model_length` unset TRL's engine takes the model's whole context (Qwen3's 40,960 tokens here).
+    Exact mode's colocated engine records each request's schedule and keeps vLLM's chunked prefill and step budget,
+    so nothing needs a step of the whole context: the trainer builds and every completion token of both steps is the
+    sampler's, bit for bit (it was refused in one line while the engine prefilled each prompt whole in one step)."""
+    model = str(tiny_model("qwen3", max_position_embeddings=40960))
+    args = make_config(tmp_path, max_steps=2, vllm_max_model_length=None, roundalign_profile="auto",
+                       roundalign_regions=["rope", "swiglu", "rmsnorm", "attention"])
+    trainer = closing(RoundAlignGRPOTrainer(model=model, reward_funcs=varied_reward, args=args,
+                                            train_dataset=arithmetic_dataset("train[:16]")))
+    assert trainer.roundalign_layout.max_model_len == 40960, trainer.roundalign_layout
+    trainer.train()
+    steps = [h for h in trainer.state.log_history if "mismatch/tokens" in h]
+    print("exact, vllm_max_model_length unset:", [(h["step"], h["mismatch/tokens"], h["mismatch/frac_bitwise_equal"])
+                                                  for h in steps])
+    assert [h["step"] for h in steps] == [1, 2]
+    assert all(h["mismatch/frac_bitwise_equal"] == 1.0 and h["mismatch/unreproduced_tokens"] == 0 for h in steps), steps

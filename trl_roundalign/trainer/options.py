@@ -191,16 +191,6 @@ def check_options(model, args) -> None:
             )
     if args.use_vllm and args.roundalign_regions:
         check_dtypes(dtype, args, _engine_dtype(config, args))
-    if args.use_vllm and args.vllm_mode == "colocate" and "attention" in args.roundalign_regions \
-            and not args.vllm_max_model_length and is_vllm_cpu() and config is not None:
-        from ..engine.prefill import model_context_length
-
-        raise ValueError(
-            "Exact mode's engine prefills each prompt whole in one step, so its step budget is its context length, the "
-            f"model's own {model_context_length(config)} tokens while vllm_max_model_length is unset (vLLM warms up on "
-            "a batch of that size, and one that derives a longer context from RoPE scaling refuses to start). Set "
-            "vllm_max_model_length to your longest prompt plus max_completion_length."
-        )
     biased = sampling_biases(args)
     if biased:
         warnings.warn(
