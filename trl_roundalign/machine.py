@@ -4,7 +4,23 @@ the model families and the ops all read them here, and this module imports nothi
 
 from __future__ import annotations
 
-__all__ = ["cpu_vector_isa", "inductor_option", "vllm_cpu_kernel_library"]
+__all__ = ["cpu_info", "cpu_vector_isa", "inductor_option", "vllm_cpu_kernel_library"]
+
+
+def cpu_info() -> tuple[str, list[str]]:
+    """`(model name, flags)` of this machine's CPU as /proc/cpuinfo lists them (its first processor); `("", [])` where
+    there is none."""
+    model, flags = "", None
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if not model and line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                elif flags is None and line.startswith("flags"):
+                    flags = line.split(":", 1)[1].split()
+    except OSError:
+        pass
+    return model, flags or []
 
 
 def inductor_option(name: str):

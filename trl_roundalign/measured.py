@@ -32,18 +32,11 @@ FORMAT = 1
 
 
 def _cpu() -> dict:
-    model, flags = "", ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if not model and line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                elif not flags and line.startswith("flags"):
-                    flags = " ".join(sorted(line.split(":", 1)[1].split()))
-    except OSError:
-        pass
+    from .machine import cpu_info
+
+    model, flags = cpu_info()
     return {"model": model or platform.processor(), "machine": platform.machine(),
-            "flags": hashlib.sha256(flags.encode()).hexdigest()[:16]}
+            "flags": hashlib.sha256(" ".join(sorted(flags)).encode()).hexdigest()[:16]}
 
 
 def machine_key() -> dict:

@@ -59,21 +59,27 @@ ROOT = Path(__file__).resolve().parents[2]
 FSDP_CPU_SHIM = ROOT / "tests" / "trainer" / "fsdp_cpu_shim"
 
 
-def accelerate_launch_two(script: Path, out: Path, *argv: str, config: str, timeout: float = 900,
-                          **extra: str) -> list[dict]:
-    """`script` as two processes under `accelerate launch --config_file recipes/accelerate_configs/<config>` on CPU
-    (gloo), with the test-only shim on their PYTHONPATH (accelerate's FSDP / DeepSpeed branch on a CPU, see
-    `tests/trainer/fsdp_cpu_shim`), on a rendezvous port the kernel has just handed out; what each rank reported
-    (`report`)."""
+def accelerate_launch(config: str | None, script: Path, *argv: str, **extra: str) -> tuple[list[str], dict]:
+    """`(command, environment)` of `accelerate launch` on CPU (gloo) running `script argv` as two processes: with
+    `recipes/accelerate_configs/<config>` (the FSDP2 recipe's checkpoint sharded: these runs save sharded), or, `config`
+    None, a plain two-process launch; the test-only shim on their PYTHONPATH (accelerate's FSDP / DeepSpeed branch on a
+    CPU, see `tests/trainer/fsdp_cpu_shim`); a rendezvous port the kernel has just handed out (`--main_process_port`
+    overrides any other)."""
     path = os.pathsep.join(p for p in (str(FSDP_CPU_SHIM), os.environ.get("PYTHONPATH", "")) if p)
     env = subprocess_env(ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", PYTHONPATH=path, **extra)
-    cmd = [
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-        str(ROOT / "recipes" / "accelerate_configs" / config), "--num_processes", "2",
-        "--main_process_port", str(free_port()), str(script), str(out), *argv,
-    ]  # fmt: skip
-    if config == "fsdp2.yaml":  # the recipe gathers a FULL_STATE_DICT at save; these runs do not save
-        cmd[5:5] = ["--fsdp_state_dict_type", "SHARDED_STATE_DICT"]
+    where = (["--config_file", str(ROOT / "recipes" / "accelerate_configs" / config)] if config
+             else ["--multi_gpu", "--num_machines", "1"])
+    if config == "fsdp2.yaml":  # the recipe gathers a FULL_STATE_DICT at save
+        where += ["--fsdp_state_dict_type", "SHARDED_STATE_DICT"]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *where, "--num_processes", "2",
+           "--main_process_port", str(free_port()), str(script), *argv]
+    return cmd, env
+
+
+def accelerate_launch_two(script: Path, out: Path, *argv: str, config: str, timeout: float = 900,
+                          **extra: str) -> list[dict]:
+    """`script out argv` under `accelerate_launch(config, ...)`; what each rank reported (`report`)."""
+    cmd, env = accelerate_launch(config, script, str(out), *argv, **extra)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     results = []
     for r in (0, 1):

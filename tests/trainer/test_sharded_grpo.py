@@ -19,38 +19,27 @@ second launch resumes from it. `sharded_grpo_run.py` dumps what is asserted here
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from helpers.env import free_port, subprocess_env
+from helpers.ranks import accelerate_launch
 
 from trl_roundalign import metrics
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
-SHIM = Path(__file__).with_name("fsdp_cpu_shim")
 ACCUMULATION = 2  # micro-batches per optimizer step and rank (sharded_grpo_run.py)
 
 
-def _launch(out: Path, config: str | None, phase: str, port: int, **extra: str) -> list[dict]:
+def _launch(out: Path, config: str | None, phase: str, **extra: str) -> list[dict]:
     """`accelerate launch` with one of the package's configs; `config=None`: a plain two-process launch (what a user
     whose script sets fsdp/deepspeed in the trainer's arguments runs)."""
     script = Path(__file__).with_name("sharded_grpo_run.py")
-    path = os.pathsep.join(p for p in (str(SHIM), os.environ.get("PYTHONPATH", "")) if p)
-    env = subprocess_env(ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", PYTHONPATH=path, **extra)
-    where = ["--config_file", str(ROOT / "recipes" / "accelerate_configs" / config)] if config else ["--multi_gpu", "--num_machines", "1"]
-    cmd = [
-        sys.executable, "-m", "accelerate.commands.launch", *where,
-        "--num_processes", "2", "--main_process_port", str(port), str(script), str(out), phase,
-    ]  # fmt: skip
-    if config == "fsdp2.yaml":
-        cmd[5:5] = ["--fsdp_state_dict_type", "SHARDED_STATE_DICT"]  # the recipe gathers FULL_STATE_DICT; shard it here
+    cmd, env = accelerate_launch(config, script, str(out), phase, **extra)
     start = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -130,7 +119,7 @@ def _moved(a: dict, b: dict) -> tuple[int, int, int]:
 
 
 def test_fsdp2_grpo_two_processes_sync_metrics_resume(tmp_path):
-    train = _launch(tmp_path, "fsdp2.yaml", "train", free_port())
+    train = _launch(tmp_path, "fsdp2.yaml", "train")
     for r in train:
         setup = r["setup"]
         assert setup["distributed_type"] == "DistributedType.FSDP" and setup["is_fsdp2"]
@@ -155,7 +144,7 @@ def test_fsdp2_grpo_two_processes_sync_metrics_resume(tmp_path):
         print("grad entries not representable in bf16 per step:", [(s["grad_not_bf16"], s["grad_entries"]) for s in r["steps"][1:]])
     _check_sync(train)
     _check_metrics(train)
-    resumed = _launch(tmp_path, "fsdp2.yaml", "resume", free_port())
+    resumed = _launch(tmp_path, "fsdp2.yaml", "resume")
     _check_resume(train, resumed)
 
 
@@ -164,7 +153,7 @@ def test_zero3_grpo_two_processes_sync_metrics_resume(tmp_path):
     import deepspeed  # noqa: F401  (pinned in requirements/cpu.lock: a broken install fails here, never skips)
 
     ds = {"DS_ACCELERATOR": "cpu", "ROUNDALIGN_SHIM_DS": "1"}
-    train = _launch(tmp_path, "zero3.yaml", "train", free_port(), **ds)
+    train = _launch(tmp_path, "zero3.yaml", "train", **ds)
     for r in train:
         setup = r["setup"]
         assert setup["distributed_type"] == "DistributedType.DEEPSPEED" and setup["mixed_precision"] == "bf16"
@@ -181,7 +170,7 @@ def test_zero3_grpo_two_processes_sync_metrics_resume(tmp_path):
         assert all(s["master_not_bf16"] > s["master_entries"] // 2 for s in masters)
     _check_sync(train)
     _check_metrics(train)
-    resumed = _launch(tmp_path, "zero3.yaml", "resume", free_port(), **ds)
+    resumed = _launch(tmp_path, "zero3.yaml", "resume", **ds)
     _check_resume(train, resumed)
 
 
@@ -211,17 +200,11 @@ def test_bf16_parameters_under_fsdp2_or_zero3_without_mixed_precision_are_refuse
     """Without mixed precision accelerate does not upcast (FSDP2) and DeepSpeed keeps no fp32 copy: the optimizer
     would step the bf16 parameters and updates below half an ulp would round away. Through accelerate's real
     FSDP2/DeepSpeed preparation (the shim), two processes, the trainer refuses in one line naming what to set."""
-    port = free_port()
     script = tmp_path / "refuse.py"
     script.write_text(_REFUSE)
-    path = os.pathsep.join(p for p in (str(SHIM), os.environ.get("PYTHONPATH", "")) if p)
     extra = {"DS_ACCELERATOR": "cpu"} if config == "zero3.yaml" else {}
-    env = subprocess_env(ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", PYTHONPATH=path, **extra)
-    cmd = [
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "recipes" / "accelerate_configs" / config),
-        "--num_processes", "2", "--mixed_precision", "no", "--main_process_port", str(port), str(script),
-        str(tmp_path / "out"), str(Path(__file__).parent),
-    ]  # fmt: skip
+    cmd, env = accelerate_launch(config, script, str(tmp_path / "out"), str(Path(__file__).parent), **extra)
+    cmd[cmd.index("--num_processes"):cmd.index("--num_processes")] = ["--mixed_precision", "no"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     refused = [p.read_text() for p in sorted((tmp_path / "out").glob("refused.*"))]
     assert proc.returncode != 0 and len(refused) == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -243,7 +226,7 @@ def test_sharding_set_in_the_trainer_arguments_trains_aligned(tmp_path, source):
     extra = {"ROUNDALIGN_SHIM": "1", "ROUNDALIGN_TEST_SHARDING": source}
     if source.startswith("zero"):
         extra.update(DS_ACCELERATOR="cpu", ROUNDALIGN_SHIM_DS="1")
-    train = _launch(tmp_path, None, "train", free_port(), **extra)
+    train = _launch(tmp_path, None, "train", **extra)
     for r in train:
         setup = r["setup"]
         assert r["run_info"]["verification"]["verdict"] == "ok"
@@ -268,5 +251,5 @@ def test_sharding_set_in_the_trainer_arguments_trains_aligned(tmp_path, source):
             assert all(s["master_not_bf16"] > s["master_entries"] // 2 for s in masters)
     _check_sync(train, sharded=source != "zero2-args")
     _check_metrics(train)
-    resumed = _launch(tmp_path, None, "resume", free_port(), **extra)
+    resumed = _launch(tmp_path, None, "resume", **extra)
     _check_resume(train, resumed)

@@ -409,13 +409,10 @@ def cpu_kind() -> str:
 
 
 def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return ""
-    keep = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    return " ".join(keep)
+    from ..machine import cpu_info
+
+    flags = cpu_info()[1]
+    return " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags)
 
 
 def measure_batch_invariance(
