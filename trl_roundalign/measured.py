@@ -1,6 +1,7 @@
 """Measurements of this machine kept between runs: what exact mode measures at start-up that cannot change while the
 machine, the libraries, the code that measures and the thing measured stay the same (the GEMM batch-invariance
-measurement, `engine.gemm`, about 140 s of a SmolLM2 trainer's start-up on a 2-core AVX2 machine).
+measurement, `engine.gemm`, about 140 s of a SmolLM2 trainer's first start-up on a 2-core AVX2 machine; the colocated
+start-up check's passing verdict, `trainer.kept_check`).
 
 A measurement is stored as `<cache_root>/measured/<kind>/<digest>.json` (`local_models.cache_root`:
 `TRL_ROUNDALIGN_CACHE` or `~/.cache/trl_roundalign`) with its whole key beside the result: the machine (CPU model and

@@ -368,18 +368,25 @@ class RoundAlignGRPOTrainer(GRPOTrainer):
         from .startup_check import verify_on_main_process, weights_arrive_at_prepare, zero3_gathered
 
         if weights_arrive_at_prepare():  # the other processes hold placeholder weights until accelerate prepares
-            return verify_on_main_process(lambda: self._verify_colocated())
+            return verify_on_main_process(self._verify_colocated)
         with zero3_gathered(self.model):
             return self._verify_colocated()
 
-    def _verify_colocated(self):
-        args = self.args
-        from ..scoring import vllm_prefill_logprobs
-        from .sampler_check import llm_sampler, long_prompt_tokens, sequence_limit, verify_against_sampler
-        from .startup_check import verification_sequences, verify_profile
+    def _verify_colocated(self):  # a passing verdict is kept per machine under all it depends on (`kept_check`)
+        from .kept_check import colocated_key, kept_verification
+        from .startup_check import verification_sequences
 
         llm = self.vllm_generation.llm
         sequences = verification_sequences(llm.get_tokenizer())
+        key = colocated_key(self.roundalign_run_info(), llm, self.model, lanes=self._engine_lanes(), sequences=sequences)
+        return kept_verification(key, lambda: self._check_colocated(llm, sequences))
+
+    def _check_colocated(self, llm, sequences):
+        args = self.args
+        from ..scoring import vllm_prefill_logprobs
+        from .sampler_check import llm_sampler, long_prompt_tokens, sequence_limit, verify_against_sampler
+        from .startup_check import verify_profile
+
         engine_logps = vllm_prefill_logprobs(llm, sequences)
         lanes = self._engine_lanes() if self.roundalign_engine.compiled and self.roundalign_engine.platform == "cpu" else None
         try:

@@ -193,6 +193,9 @@ class Verification:
     sampler_forms: dict = field(default_factory=dict)
     # Exact mode: the longest prompt whose prefill is the same in any batch here (`PromptHorizon`; None: no limit).
     prompt_horizon: int | None = None
+    # The time of the earlier run on this machine whose passing verdict this is, read back under the whole key of
+    # what it depends on (`trainer.kept_check`); None: measured in this run.
+    kept: str | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
