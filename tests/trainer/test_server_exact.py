@@ -30,16 +30,27 @@ EXACT_MODEL = dict(num_hidden_layers=2, head_dim=128, max_position_embeddings=81
 KV_BLOCKS = 24
 
 
-@pytest.fixture(scope="module")
-def exact_server(tmp_path_factory):
+def _exact_server(tmp_path_factory, max_model_len: int):
     log = tmp_path_factory.mktemp("vllm-exact-server") / "server.log"
-    srv = Server(tiny_model("qwen3", **EXACT_MODEL), log, max_model_len=2048,
+    srv = Server(tiny_model("qwen3", **EXACT_MODEL), log, max_model_len=max_model_len,
                  extra=["--exact", "--num-gpu-blocks-override", str(KV_BLOCKS)])
     try:
         srv.wait_ready(STARTUP_TIMEOUT_S)
         yield srv
     finally:
         srv.stop()
+
+
+@pytest.fixture(scope="module")
+def exact_server(tmp_path_factory):
+    yield from _exact_server(tmp_path_factory, 2048)
+
+
+@pytest.fixture
+def long_exact_server(tmp_path_factory):
+    """A context of 2,688 tokens (21 of the 24 KV blocks; vLLM refuses a context the cache cannot hold once): a
+    570-token prompt and a 2,048-token completion, so the server runs one such request at a time and preempts."""
+    yield from _exact_server(tmp_path_factory, 2688)
 
 
 def client_of(server):
@@ -96,14 +107,25 @@ def test_exact_grpo_against_a_server_is_bit_identical_to_its_sampler(exact_serve
     recomputes every token bit for bit; each step's completions (4 x 1,024 tokens after a 570-token prompt, their
     group's copies hitting the prefix cache, some preempted and re-prefilled) are the sampler's, bit for bit, the
     second after the weights of the first step's update were sent; the records' bytes are counted."""
+    _exact_grpo_against(exact_server, tmp_path, 1024)
+
+
+@pytest.mark.full  # a server start and two steps of 4 x 2,048 tokens, about 15 min on 2 AVX2 cores (make test-full)
+def test_exact_grpo_against_a_server_at_2048_token_completions(long_exact_server, tmp_path):
+    """The same at the longest completions the server issue asks for: 4 x 2,048 tokens per step, a KV cache that
+    holds one such request at a time (the others preempted and re-prefilled)."""
+    _exact_grpo_against(long_exact_server, tmp_path, 2048)
+
+
+def _exact_grpo_against(server, tmp_path, length: int):
     import torch
 
     from trl_roundalign import RoundAlignGRPOTrainer
     from trl_roundalign.engine.layout import policy_facts
 
-    with exact_server.log_on_failure():
+    with server.log_on_failure():
         args = make_config(
-            tmp_path, max_steps=2, max_completion_length=1024, vllm_mode="server", vllm_server_base_url=exact_server.url,
+            tmp_path, max_steps=2, max_completion_length=length, vllm_mode="server", vllm_server_base_url=server.url,
             vllm_server_timeout=60, vllm_group_port=free_port(), roundalign_profile="auto",
             roundalign_regions=["rope", "swiglu", "rmsnorm", "attention"], generation_kwargs={"ignore_eos": True},
             roundalign_stop_on_unreproduced=True, learning_rate=1e-3,
@@ -146,7 +168,7 @@ def test_exact_grpo_against_a_server_is_bit_identical_to_its_sampler(exact_serve
         assert [r["step"] for r in rows] == [1, 2]
         for row in rows:
             print({k: v for k, v in row.items() if k.startswith(("mismatch/", "schedule/"))})
-            assert row["mismatch/tokens"] == 4 * 1024 and row["mismatch/unreproduced_tokens"] == 0, row
+            assert row["mismatch/tokens"] == 4 * length and row["mismatch/unreproduced_tokens"] == 0, row
             assert row["mismatch/frac_bitwise_equal"] == 1.0 and row["mismatch/kl_k3"] == 0.0, row
         assert any(r["mismatch/reprefilled_tokens"] > 0 for r in rows)  # vLLM preempted: the case is exercised
         steps = [h for h in trainer.state.log_history if "loss" in h]
