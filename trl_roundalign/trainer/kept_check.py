@@ -1,16 +1,16 @@
-"""The colocated start-up check's verdict kept per machine: a second run whose check would score the same weights on
-the same engine, with the same code, libraries and machine, reads the verdict its first run measured instead of
-scoring again (about 67 s of an exact SmolLM2 trainer's 186 s start-up on a 2-core AVX2 machine,
-bench/results/cpu-avx2/bench_startup.json).
+"""The colocated start-up check's verdict kept per machine: a later run whose check would score the same weights on
+the same engine, with the same code, libraries and machine, reads the verdict an earlier run measured instead of
+scoring again (67-85 s of an exact SmolLM2 trainer's start-up on a 2-core AVX2 machine, docs/cost.md).
 
 Kept under `measured.cached_measurement`'s whole key (the machine, torch's build, threads and steering variables, the
 source of every module of this package), with what the check depends on beside it: the trainer's run record
 (`RoundAlignGRPOTrainer.roundalign_run_info`: versions, profile, regions, backend, the engine's whole layout, the GEMM
 schedule, what was patched), the engine's reduction lanes, the check's own sequences, a digest of every tensor the
 trainer holds and of every tensor each engine worker computes with (`engine.weight_digest`), and every `VLLM_*`
-environment variable (but a shared memory buffer's name, which vLLM draws afresh in each process). Only a passing verdict is kept: a check that fails runs again on every start. The verdict read
-back says when it was measured (`Verification.kept`), and every step still compares each completion token with the
-sampler's (`mismatch/*`). `ROUNDALIGN_MEASURE_CACHE=off` runs the check every time.
+environment variable (but a shared memory buffer's name, which vLLM draws afresh in each process). Only a passing
+verdict is kept: a check that fails runs again on every start. The verdict read back says when it was measured
+(`Verification.kept`), and every step still compares each completion token with the sampler's (`mismatch/*`).
+`ROUNDALIGN_MEASURE_CACHE=off` runs the check every time.
 """
 
 from __future__ import annotations
