@@ -13,9 +13,11 @@ the counts say so.
 
 `RoutingReplay` is one trainer's state: `install` binds it to the model's routers; `hold(routes, input_ids)` gives
 the routes `[B, S, MoE layers, k]` (-1: not recorded, -2: not a token the engine computed) of the rows `input_ids`
-(`[B, S]`) whose forwards follow, until the next `hold` or `release`, so that gradient checkpointing's recomputation
-in the backward replays the same experts. Each model forward finds its rows in `input_ids` (TRL computes a batch's
-log-probs in chunks of rows), through a pre-hook on the decoder.
+(`[B, S]`) whose forwards follow, until the next `hold` or `release`. Each model forward finds its rows in `input_ids`
+(TRL computes a batch's log-probs in chunks of rows), through a pre-hook on the decoder. Gradient checkpointing
+recomputes a decoder layer in the backward, after later forwards may have selected other rows (exact mode's
+re-prefill stretches, which replay nothing): each layer's checkpoint function is wrapped so that its recomputation
+replays the routes its forward replayed (`_keeping_routes`), never the last forward's.
 """
 
 from __future__ import annotations
@@ -44,11 +46,13 @@ class RoutingReplay:
     input_ids: torch.Tensor | None = None
     current: torch.Tensor | None = None  # the routes of the rows of the forward in progress
     counts: dict[str, int] = field(default_factory=lambda: {"compared": 0, "differ": 0, "unrecorded": 0})
+    decoder_layers: list = field(default_factory=list, repr=False)  # the bound model's (`install`)
 
     def install(self, model: torch.nn.Module) -> int:
         """Bind each MoE layer's router of `model` (a transformers CausalLM, possibly wrapped) to this replay;
         returns how many. A router whose layer the engine did not record experts for is refused."""
         decoder, layers = _decoder_layers(model)
+        self.decoder_layers = layers
         bound = 0
         for i, layer in enumerate(layers):
             gate = getattr(getattr(layer, "mlp", None), "gate", None)
@@ -68,6 +72,10 @@ class RoutingReplay:
 
     def hold(self, routes: torch.Tensor | None, input_ids: torch.Tensor | None) -> None:
         self.routes, self.input_ids, self.current = routes, input_ids, None
+        for layer in self.decoder_layers:  # checkpointing may have been turned on (or again) since `install`
+            function = getattr(layer, "_gradient_checkpointing_func", None)
+            if function is not None and not getattr(function, "keeps_routes", False):
+                layer._gradient_checkpointing_func = _keeping_routes(function, self)
 
     def release(self) -> None:
         self.hold(None, None)
@@ -116,6 +124,27 @@ class RoutingReplay:
             self.counts["differ"] += int((~same).sum())
             self.counts["unrecorded"] += int(unrecorded.sum())
         return torch.where(recorded[:, None], routes.long().clamp_min(0), own)
+
+
+def _keeping_routes(checkpoint, replay: RoutingReplay):
+    """A decoder layer's checkpoint function (transformers' `_gradient_checkpointing_func`) whose checkpointed call
+    runs with the routes held when the forward ran, in the forward and again in the backward's recomputation (the same
+    experts, and the same saved tensors, which torch's checkpoint checks)."""
+
+    def checkpointed(function, *args, **kwargs):
+        held = replay.current
+
+        def with_routes(*a, **k):
+            saved, replay.current = replay.current, held
+            try:
+                return function(*a, **k)
+            finally:
+                replay.current = saved
+
+        return checkpoint(with_routes, *args, **kwargs)
+
+    checkpointed.keeps_routes = True
+    return checkpointed
 
 
 def router_renormalizes(gate) -> bool:
