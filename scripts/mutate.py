@@ -442,6 +442,14 @@ MUTATIONS: tuple[Mutation, ...] = (
         "an undecidable tie accepts a chosen profile that is not one of the tied ones",
         (f"{TIE}::test_an_undecidable_tie_refuses_a_profile_outside_it",),
     ),
+    # ---- routing replay ----------------------------------------------------------------------------------------------
+    Mutation(
+        "routing-recompute-last-routes", "trl_roundalign/ops/routing.py",
+        "                layer._gradient_checkpointing_func = _keeping_routes(function, self)",
+        "                pass",
+        "a layer recomputed in the backward replays the last forward's routes, not its own forward's",
+        ("tests/ops/test_routing_checkpoint.py::test_a_recomputed_layer_replays_its_forwards_experts",),
+    ),
 )
 
 
