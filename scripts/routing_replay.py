@@ -9,6 +9,11 @@ creates its expert-parallel group only then). Prints one JSON line per condition
     python scripts/routing_replay.py            # docs/results/<kind>/routing-replay.txt records its answer
     python scripts/routing_replay.py --steps 1 --conditions default,default+replay,exact+replay
     python scripts/routing_replay.py --model tiny-qwen3_5_moe --conditions none,none+replay,default,default+replay
+    python scripts/routing_replay.py --long-prompts --kv-blocks 16   # ~570-token prompts, a KV cache that runs short
+
+With `--long-prompts` each prompt is about 570 tokens (a group's four copies share its blocks in the prefix cache);
+`--kv-blocks N` gives the engine N KV blocks (`num_gpu_blocks_override`), so vLLM preempts and re-prefills; the
+preemptions are counted in the engine's scheduler (`preemptions`).
 """
 
 from __future__ import annotations
@@ -26,9 +31,11 @@ EXACT = ("rope", "swiglu", "rmsnorm", "attention")
 MODELS = ("peaked-qwen3-moe", "tiny-qwen3_5_moe")
 
 
-def child(condition: str, out: pathlib.Path, steps: int, length: int, model: str) -> None:
+def child(condition: str, out: pathlib.Path, steps: int, length: int, model: str, long_prompts: bool = False,
+          kv_blocks: int | None = None) -> None:
     import torch
     from datasets import Dataset
+    from vllm.v1.core.sched import scheduler as vllm_scheduler
 
     from trl_roundalign import RoundAlignGRPOConfig, RoundAlignGRPOTrainer
     from trl_roundalign.local_models import resolve_model
@@ -37,11 +44,25 @@ def child(condition: str, out: pathlib.Path, steps: int, length: int, model: str
     regions = {"none": (), "default": ("rope", "swiglu", "rmsnorm"), "exact": EXACT}[base]
     args = RoundAlignGRPOConfig(
         output_dir=str(out), max_steps=steps, per_device_train_batch_size=8, num_generations=4,
-        max_completion_length=length, use_vllm=True, vllm_mode="colocate", vllm_max_model_length=length + 128,
+        max_completion_length=length, use_vllm=True, vllm_mode="colocate",
+        vllm_max_model_length=length + (768 if long_prompts else 128),
+        vllm_engine_kwargs=None if kv_blocks is None else {"num_gpu_blocks_override": kv_blocks},
         logging_steps=1, report_to="none", use_cpu=True, bf16=True, gradient_checkpointing=True, save_strategy="no",
         seed=0, learning_rate=1e-5, roundalign_regions=regions, roundalign_routing_replay=bool(replay),
     )  # fmt: skip
-    prompts = Dataset.from_dict({"prompt": [f"Question {i}: what is {i} plus {2 * i + 1}? Answer:" for i in range(32)]})
+    if long_prompts:  # about 570 tokens each
+        texts = [f"Sum these, case {i}: " + " ".join(str((7 * k + i) % 97) for k in range(300)) for i in range(32)]
+    else:
+        texts = [f"Question {i}: what is {i} plus {2 * i + 1}? Answer:" for i in range(32)]
+    prompts = Dataset.from_dict({"prompt": texts})
+    preemptions = [0]
+    preempt = vllm_scheduler.Scheduler._preempt_request
+
+    def counted(self, *a, **k):  # the colocated engine runs in this process
+        preemptions[0] += 1
+        return preempt(self, *a, **k)
+
+    vllm_scheduler.Scheduler._preempt_request = counted
 
     def reward(completions, **kwargs):
         return [float(len(set(c)) % 5) for c in completions]
@@ -66,11 +87,12 @@ def child(condition: str, out: pathlib.Path, steps: int, length: int, model: str
     keys = ("mismatch/kl_k3", "mismatch/frac_bitwise_equal", "mismatch/tokens", "routing/differs",
             "routing/unrecorded_tokens")
     torch.save(sampled[:1], out / "first_generation.pt")
-    print("RESULT " + json.dumps({"condition": condition, "steps": [{k: h.get(k) for k in keys} for h in logs]}),
-          flush=True)
+    print("RESULT " + json.dumps({"condition": condition, "preemptions": preemptions[0],
+                                  "steps": [{k: h.get(k) for k in keys} for h in logs]}), flush=True)
 
 
-def run(conditions, steps: int, length: int, tmp: pathlib.Path, model: str = MODELS[0]) -> list[dict]:
+def run(conditions, steps: int, length: int, tmp: pathlib.Path, model: str = MODELS[0], long_prompts: bool = False,
+        kv_blocks: int | None = None) -> list[dict]:
     """Each condition in its own process; returns their results (with `same_samples`: the first generation's token
     ids and log-probs equal, bit for bit, to the same profile's run without replay)."""
     import torch
@@ -80,7 +102,8 @@ def run(conditions, steps: int, length: int, tmp: pathlib.Path, model: str = MOD
         out = tmp / condition.replace("+", "_")
         out.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, __file__, "--child", condition, "--out", str(out), "--steps", str(steps),
-               "--length", str(length), "--model", model]
+               "--length", str(length), "--model", model] + (["--long-prompts"] if long_prompts else []) + (
+               [] if kv_blocks is None else ["--kv-blocks", str(kv_blocks)])
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
         lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
         if proc.returncode != 0 or not lines:
@@ -102,11 +125,13 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--length", type=int, default=64)
     parser.add_argument("--model", default=MODELS[0], help=f"one of {', '.join(MODELS)}")
+    parser.add_argument("--long-prompts", action="store_true")
+    parser.add_argument("--kv-blocks", type=int)
     parser.add_argument("--child")
     parser.add_argument("--out")
     a = parser.parse_args(argv)
     if a.child:
-        child(a.child, pathlib.Path(a.out), a.steps, a.length, a.model)
+        child(a.child, pathlib.Path(a.out), a.steps, a.length, a.model, a.long_prompts, a.kv_blocks)
         return 0
     conditions = [c for c in a.conditions.split(",") if c]
     bad = [c for c in conditions if c not in CONDITIONS]
@@ -116,8 +141,9 @@ def main(argv=None) -> int:
     if a.model not in MODELS:
         print(f"error: unknown model {a.model!r}; choose from {', '.join(MODELS)}", file=sys.stderr)
         return 2
-    results = run(conditions, a.steps, a.length, pathlib.Path(tempfile.mkdtemp()), a.model)
-    print(f"model {a.model}")
+    results = run(conditions, a.steps, a.length, pathlib.Path(tempfile.mkdtemp()), a.model, a.long_prompts, a.kv_blocks)
+    print(f"model {a.model}, long prompts {a.long_prompts}, KV blocks {a.kv_blocks or 'default'}, "
+          f"preemptions {[r['preemptions'] for r in results]}")
     for r in results:
         print(json.dumps(r))
     print(f"\n{'condition':<16} {'step':>4} {'k3':>11} {'bit-identical':>13} {'routing differs':>15} {'unrecorded':>10} "
