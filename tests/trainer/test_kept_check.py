@@ -78,7 +78,7 @@ def test_the_key_is_the_same_in_a_users_next_process():
 
 
 @pytest.mark.vllm
-@pytest.mark.full  # three exact trainers, about 5 min on AMD AVX2 (make test-full)
+@pytest.mark.full  # three exact trainers on the tiny Qwen3, about 1.5 min on AMD AVX2 (make test-full)
 def test_a_second_trainer_reads_the_kept_verdict_and_a_changed_weight_is_checked_again(tmp_path, closing):
     """Two exact trainers on the same model and engine: the second reads the first's verdict (no engine call, no
     scoring) and trains bit-identical to its sampler. A trainer whose policy differs from the engine's weights in one
